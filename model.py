@@ -60,7 +60,7 @@ class Config:
     attn_dropout: str = "standard"    # "standard" | "none" | "attendout" | "scheduled"
     gnet_dim: int = 16                # d_g, G-Net projection size per head
     gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
-    gnet_budget: float = -1.0         # rho, the mean drop-rate budget; < 0: use attn_dropout_p
+    gnet_budget: float | None = None  # rho, the mean drop-rate budget; None: use attn_dropout_p
     gnet_lambda: float = 1.0          # weight of the budget term
     schedule: str = ""                # scheduled dropout: a droprates.jsonl FILE or "linear:P_LOW:P_HIGH"
     layerdrop: float = 0.0            # LayerDrop: skip a whole layer with this probability (training)
@@ -342,8 +342,10 @@ class Model(nn.Module):
         h = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
         return self.mlm(h, self.emb.word.weight)                                    # [B, L, vocab]
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        """Classifier / regression logits [B, num_labels] from the first token."""
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, head="cls"):
+        """Classifier / regression logits [B, num_labels] from the first token (head="mlm": mlm_logits)."""
+        if head == "mlm":
+            return self.mlm_logits(input_ids, attention_mask, token_type_ids, position_ids)
         if self.cls is None:
             raise ValueError("this model has no classifier head (num_labels = 0); use mlm_logits or encode")
         return self.cls(self.encode(input_ids, attention_mask, token_type_ids, position_ids))

@@ -1,0 +1,407 @@
+"""
+attendout.py: attention-dropout methods for attnreg (SPEC 3).
+
+The idea (AttendOut, Wu et al. 2021): instead of dropping attention probabilities with a fixed rate, a
+small per-layer G-Net looks at the layer input and predicts a drop probability for every (head, query, key);
+it is trained adversarially (gradient reversal) to *hurt* the task under a mean drop-rate budget.
+
+Four methods, chosen by `--attn-dropout` (config.attn_dropout) and built by `make_attn_dropout(config, l)`:
+  standard   fixed-rate Bernoulli dropout on the attention probabilities (rate attn_dropout_p)
+  none       no attention dropout
+  scheduled  Bernoulli dropout with rate p_l(t): "linear:P_LOW:P_HIGH" or replayed from a droprates.jsonl
+  attendout  the G-Net (SPEC 3.1, reconstructed) applied through the kernel hook drop_fn(A, valid, pair_scores)
+
+The trainer adds `budget_loss(model)` to the task loss and may log `drop_rates(model)` with DropRateLogger;
+`export_without_gnet(state_dict)` removes the G-Net before exporting a fine-tuned model.
+
+Run the tests: python -m pytest tests/test_attendout.py -q
+"""
+
+import bisect
+import json
+import math
+
+import torch
+import torch.nn as nn
+
+METHODS = ("standard", "none", "attendout", "scheduled")
+GNET = "gnet"        # name of the G-Net submodule: export_without_gnet drops keys with this component
+P0_MIN = 1e-4        # attn_dropout_p = 0 would make beta = logit(0) = -inf; start from this rate instead
+U_EPS = 1e-6         # u ~ U(0,1) is clamped to [U_EPS, 1 - U_EPS] so log u and log(1-u) are finite
+KEEP_MIN = 1e-4      # 1 - pi is clamped to >= KEEP_MIN, so 1/(1-pi) <= 1e4 (finite, also in fp16)
+
+
+# -----------------------------------------------------------------------------
+# gradient reversal (SPEC 3.1: G-Net maximises the task loss, one backward pass)
+
+class GradReverse(torch.autograd.Function):
+    """Identity in the forward pass, negated gradient in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+def grad_reverse(x):
+    return GradReverse.apply(x)
+
+
+# -----------------------------------------------------------------------------
+# baselines: standard / none (SPEC 3.3) and the base behaviour every method shares
+
+class AttnDropout(nn.Module):
+    """Plain Bernoulli attention dropout with a fixed rate p; p = 0 is the 'none' method.
+
+    The layer asks `rate(step_frac)` for the rate to pass to the kernel in training (0.0 in eval) and
+    calls `hook(x)` only when `needs_hook` is True (AttendOut in training).
+    """
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.p = float(p)
+
+    def rate(self, step_frac=0.0):
+        return self.p
+
+    @property
+    def needs_hook(self):
+        return False
+
+    def hook(self, x):
+        raise RuntimeError(f"{type(self).__name__} applies plain dropout, it has no drop_fn hook")
+
+    def extra_repr(self):
+        return f"p={self.p}"
+
+
+# -----------------------------------------------------------------------------
+# scheduled Bernoulli dropout (SPEC 3.2)
+
+def linear_schedule(spec, num_layers):
+    """'linear:P_LOW:P_HIGH' -> per layer rate, linear in depth, constant in time. -> list[L] of float"""
+    parts = spec.split(":")
+    try:
+        assert len(parts) == 3
+        p_low, p_high = float(parts[1]), float(parts[2])
+    except (AssertionError, ValueError):
+        raise ValueError(f"bad schedule {spec!r}: expected linear:P_LOW:P_HIGH, e.g. linear:0.1:0.5") from None
+    for p in (p_low, p_high):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"bad schedule {spec!r}: rates must be in [0, 1)")
+    if num_layers == 1:
+        return [p_low]
+    # SPEC 3.2: p_l = p_low + (p_high - p_low) * l / (L - 1), l = 0 .. L-1
+    return [p_low + (p_high - p_low) * l / (num_layers - 1) for l in range(num_layers)]
+
+
+def read_droprates(path, num_layers):
+    """Read an AttendOut drop-rate log (DropRateLogger's JSON lines).
+
+    Returns (fracs [T] increasing, rates [T][L]). The time axis is the logged step_frac; a line without
+    step_frac uses step / (last logged step).
+    """
+    entries = []  # (lineno, step, step_frac or None, rates)
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                rates = [float(r) for r in rec["drop_rate"]]
+                step = float(rec["step"]) if "step" in rec else None
+                frac = float(rec["step_frac"]) if rec.get("step_frac") is not None else None
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}, line {lineno}: cannot parse drop-rate entry ({e!r}); expected "
+                                 '{"step": S, "step_frac": F, "drop_rate": [p_1, ..., p_L]}') from None
+            if len(rates) != num_layers:
+                raise ValueError(f"{path}, line {lineno}: {len(rates)} drop rates but the model has "
+                                 f"{num_layers} layers")
+            if frac is None and step is None:
+                raise ValueError(f"{path}, line {lineno}: entry has neither step_frac nor step")
+            entries.append((lineno, step, frac, rates))
+    if not entries:
+        raise ValueError(f"{path}: no drop-rate entries")
+    last_step = max((e[1] for e in entries if e[1] is not None), default=None)
+    points = []
+    for lineno, step, frac, rates in entries:
+        if frac is None:
+            if not last_step:
+                raise ValueError(f"{path}, line {lineno}: no step_frac and no positive last step to scale by")
+            frac = step / last_step
+        points.append((frac, rates))
+    points.sort(key=lambda p: p[0])  # stable: equal fractions keep file order
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def interpolate(fracs, values, t):
+    """Piecewise-linear value at t through the points (fracs[i], values[i]), clamped outside."""
+    if t <= fracs[0]:
+        return values[0]
+    if t >= fracs[-1]:
+        return values[-1]
+    i = bisect.bisect_right(fracs, t)  # fracs[i-1] <= t < fracs[i]
+    f0, f1 = fracs[i - 1], fracs[i]
+    w = (t - f0) / (f1 - f0)
+    return values[i - 1] + w * (values[i] - values[i - 1])
+
+
+class ScheduledDropout(AttnDropout):
+    """Bernoulli dropout with rate p_l(t) (SPEC 3.2), t = step_frac in [0, 1] (fraction of training)."""
+
+    def __init__(self, fracs, rates):
+        super().__init__(rates[0])
+        self.fracs, self.rates = list(fracs), list(rates)  # [T], [T] for this layer
+
+    def rate(self, step_frac=0.0):
+        return interpolate(self.fracs, self.rates, float(step_frac))
+
+    def extra_repr(self):
+        return f"points={len(self.fracs)}, p(0)={self.rates[0]:.3f}, p(1)={self.rates[-1]:.3f}"
+
+
+def make_scheduled(schedule, num_layers, layer_idx):
+    if not schedule:
+        raise ValueError("attn_dropout 'scheduled' needs --schedule FILE or --schedule linear:P_LOW:P_HIGH")
+    if schedule.startswith("linear:"):
+        return ScheduledDropout([0.0], [linear_schedule(schedule, num_layers)[layer_idx]])
+    fracs, rates = read_droprates(schedule, num_layers)
+    return ScheduledDropout(fracs, [r[layer_idx] for r in rates])
+
+
+# -----------------------------------------------------------------------------
+# AttendOut: the G-Net (SPEC 3.1, reconstructed: our reading of the paper digest)
+
+class GNet(nn.Module):
+    """Per-layer drop-logit generator: Z = (X W_q)(X W_k)^T / sqrt(d_g) + beta, per head.
+
+    W_q and W_k are fused in one Linear `qk`: rows [0, H*d_g) are W_q, rows [H*d_g, 2*H*d_g) are W_k.
+    """
+
+    def __init__(self, hidden_size, num_heads, gnet_dim, p0):
+        super().__init__()
+        self.num_heads, self.gnet_dim = num_heads, gnet_dim
+        self.qk = nn.Linear(hidden_size, 2 * num_heads * gnet_dim)  # [W_q | W_k]
+        self.beta = nn.Parameter(torch.zeros(()))
+        self.p0 = max(float(p0), P0_MIN)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # SPEC 3.1: projections small (std 0.002, zero bias) and beta = logit(p0), so that pi ~ p0 at start.
+        # (A model-wide re-init of every nn.Linear must call this again afterwards.)
+        nn.init.normal_(self.qk.weight, std=0.002)
+        nn.init.zeros_(self.qk.bias)
+        with torch.no_grad():
+            self.beta.fill_(math.log(self.p0 / (1.0 - self.p0)))
+
+    def features(self, x):
+        """x [B, L, d] -> (a, c), each [B, H, L, d_g + 1], such that a_i . c_j = Z_ij.
+
+        Z_ij = gq_i . gk_j / sqrt(d_g) + beta  (SPEC 3.1) = [gq_i / sqrt(d_g), 1] . [gk_j, beta]:
+        the scale and beta are folded into the small features, so the kernel's pair_scores returns Z
+        directly and no extra pass over the [B, H, L, L] logits is needed (neither forward nor backward).
+        """
+        B, L, _ = x.shape
+        H, dg = self.num_heads, self.gnet_dim
+        g = self.qk(x.detach())                                  # [B, L, 2*H*d_g]  X is detached (SPEC 3.1)
+        g = g.view(B, L, 2, H, dg).permute(2, 0, 3, 1, 4)        # [2, B, H, L, d_g]
+        gq, gk = g[0] * (1.0 / math.sqrt(dg)), g[1]              # [B, H, L, d_g] each
+        ones = gq.new_ones(B, H, L, 1)
+        a = torch.cat([gq, ones], dim=-1)                        # [B, H, L, d_g + 1]
+        c = torch.cat([gk, self.beta.to(gk.dtype).expand(B, H, L, 1)], dim=-1)  # [B, H, L, d_g + 1]
+        return a, c
+
+
+class RelaxedDrop(torch.autograd.Function):
+    """A' = A * k / (1 - pi).detach() with the straight-through relaxed Bernoulli keep mask k (SPEC 3.1).
+
+        u ~ U(0,1)
+        k_soft = sigmoid((-Z + log u - log(1-u)) / tau)
+        k_hard = [k_soft > 0.5]
+        k      = k_hard + k_soft - k_soft.detach()       (forward value k_hard, gradient dk_soft/dZ)
+
+    Fused into one Function so the [B, H, L, L] temporaries are few: the forward multiplies A by
+    k_hard / (1 - pi); the backward gives
+        dA = g * k_hard / (1 - pi)
+        dZ = g * A / (1 - pi) * dk_soft/dZ,   dk_soft/dZ = -k_soft (1 - k_soft) / tau.
+    Z is passed through grad_reverse by the caller, pi is a constant here (its own gradient path is the
+    budget term).
+    """
+
+    @staticmethod
+    def forward(ctx, A, Z, pi, tau):
+        # A [..]: attention probabilities in the kernel's layout; Z, pi: same shape (float32)
+        u = torch.rand_like(Z)                                   # u ~ U(0,1)
+        k_soft = u.logit_(U_EPS).sub_(Z).div_(tau).sigmoid_()   # sigmoid((log u - log(1-u) - Z) / tau)
+        k_hard = k_soft > 0.5                                    # bool, keep iff u > pi (up to rounding)
+        inv = torch.rsub(pi, 1.0).clamp_min_(KEEP_MIN).reciprocal_()  # 1 / (1 - pi), finite
+        out = (A * inv).mul_(k_hard)                            # A * k_hard / (1 - pi)
+        ctx.tau = tau
+        ctx.save_for_backward(A, inv, k_hard, k_soft)
+        return out.to(A.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        A, inv, k_hard, k_soft = ctx.saved_tensors
+        g_inv = g * inv                                          # g / (1 - pi)
+        dA = dZ = None
+        if ctx.needs_input_grad[1]:
+            # dZ = g * A / (1 - pi) * (-k_soft (1 - k_soft) / tau)
+            dZ = (g_inv * A).mul_(k_soft).mul_(k_soft - 1.0).div_(ctx.tau)
+        if ctx.needs_input_grad[0]:
+            dA = g_inv.mul_(k_hard).to(A.dtype)
+        return dA, dZ, None, None
+
+
+def masked_sum(pi, valid):
+    """Sum of pi over the valid pairs and their count, without expanding valid to pi's shape.
+
+    pi [..] float, valid bool broadcastable to pi (or None = all valid). Returns two 0-dim float32 tensors.
+    """
+    if valid is None:
+        return pi.sum(dtype=torch.float32), pi.new_tensor(float(pi.numel()), dtype=torch.float32)
+    v = valid.reshape((1,) * (pi.dim() - valid.dim()) + tuple(valid.shape))
+    dims = tuple(i for i in range(pi.dim()) if v.shape[i] == 1 and pi.shape[i] != 1)
+    s = pi.sum(dims, keepdim=True, dtype=torch.float32) if dims else pi.float()  # reduce where v broadcasts
+    count = v.sum(dtype=torch.float32) * (pi.numel() // v.numel())
+    return (s * v).sum(), count
+
+
+class AttendOut(AttnDropout):
+    """AttendOut for one layer (SPEC 3.1, reconstructed). The layer calls hook(x) in training only."""
+
+    def __init__(self, config):
+        super().__init__(0.0)  # no plain Bernoulli dropout: the hook does the dropping
+        p0 = config.attn_dropout_p
+        if not 0.0 <= p0 < 1.0:
+            raise ValueError(f"attendout needs 0 <= attn_dropout_p < 1, got {p0}")
+        self.gnet = GNet(config.hidden_size, config.num_heads, config.gnet_dim, p0)  # name == GNET
+        self.tau = float(config.gnet_tau)
+        self.lam = float(config.gnet_lambda)
+        self.rho = float(config.gnet_budget if config.gnet_budget is not None else p0)
+        self.reverse = True       # gradient reversal on the mask path (False only for tests/ablation)
+        self.reset_stats()
+        self.last_rate = None     # detached mean pi of the last consumed forward (for logging)
+
+    @property
+    def needs_hook(self):
+        return self.training
+
+    def reset_stats(self):
+        self.pi_sum, self.pi_count = None, None  # accumulated over drop_fn calls of one forward
+
+    def hook(self, x, accumulate=False):
+        """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract).
+
+        Starts a new forward: the budget statistics are reset, unless accumulate=True (a second attention
+        call belonging to the same layer forward, e.g. HST stage 2 with its own input).
+        """
+        if not accumulate:
+            self.reset_stats()
+        a, c = self.gnet.features(x)  # [B, H, L, d_g + 1] each, computed once per forward
+
+        def drop_fn(A, valid, pair_scores):
+            # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid bool, broadcastable to A
+            Z = pair_scores(a, c).float()        # SPEC 3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
+            pi = torch.sigmoid(Z)                # drop probability pi
+            s, n = masked_sum(pi, valid)         # budget statistics over the real (query, key) pairs
+            self.pi_sum = s if self.pi_sum is None else self.pi_sum + s
+            self.pi_count = n if self.pi_count is None else self.pi_count + n
+            Zr = grad_reverse(Z) if self.reverse else Z  # mask path: G-Net receives -dL_task/dZ
+            # A' = A * k / (1 - pi).detach(); invalid pairs have A = 0 and stay exactly 0
+            return RelaxedDrop.apply(A, Zr, pi.detach(), self.tau)
+
+        return drop_fn
+
+    def mean_pi(self):
+        """Mean drop probability over the valid pairs of the current forward (with graph), or None."""
+        if self.pi_sum is None:
+            return None
+        return self.pi_sum / self.pi_count.clamp_min(1.0)
+
+    def extra_repr(self):
+        return f"tau={self.tau}, lambda={self.lam}, rho={self.rho}, reverse={self.reverse}"
+
+
+def attendout_modules(modules):
+    """AttendOut modules, in order, from a model (nn.Module) or an iterable of modules."""
+    if isinstance(modules, nn.Module):
+        modules = modules.modules()
+    return [m for m in modules if isinstance(m, AttendOut)]
+
+
+def budget_loss(modules):
+    """SPEC 3.1 budget: lambda * (mean_l mean(pi_l) - rho)^2, no gradient reversal.
+
+    mean(pi_l) is over layer l's heads and valid (query, key) pairs of the last training forward. Layers
+    that did not run (LayerDrop) are left out. The statistics are consumed: their graph references are
+    cleared (the detached value is kept for drop_rates), so call it once per forward, before backward.
+    Returns a 0-dim tensor (0 when there is nothing to regularise).
+    """
+    mods = attendout_modules(modules)
+    rates = []
+    for m in mods:
+        r = m.mean_pi()
+        if r is not None:
+            m.last_rate = r.detach()
+            rates.append(r)
+        m.reset_stats()
+    if not rates:
+        return torch.zeros(())
+    lam, rho = mods[0].lam, mods[0].rho
+    return lam * (torch.stack(rates).mean() - rho) ** 2
+
+
+def drop_rates(modules):
+    """Last mean drop probability per AttendOut layer, as floats (nan for a layer that never ran)."""
+    out = []
+    for m in attendout_modules(modules):
+        r = m.mean_pi()
+        r = r.detach() if r is not None else m.last_rate
+        out.append(float(r) if r is not None else float("nan"))
+    return out
+
+
+class DropRateLogger:
+    """Writes {"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L]} JSON lines every log_interval steps
+    (SPEC 3.1 logging) to path (e.g. OUT/droprates.jsonl). The file is started afresh on construction."""
+
+    def __init__(self, path, log_interval, append=False):
+        self.path, self.log_interval = path, max(int(log_interval), 1)
+        if not append:                      # a resumed run (append=True) keeps its earlier lines
+            open(self.path, "w").close()
+
+    def log(self, step, step_frac, rates):
+        """rates: a model / list of modules (-> drop_rates) or a list of floats. Returns True if written."""
+        if step % self.log_interval != 0:
+            return False
+        if isinstance(rates, nn.Module) or any(isinstance(r, nn.Module) for r in rates):
+            rates = drop_rates(rates)
+        rec = {"step": int(step), "step_frac": float(step_frac), "drop_rate": [float(r) for r in rates]}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return True
+
+
+def export_without_gnet(state_dict):
+    """Copy of state_dict without the G-Net parameters (keys with a 'gnet' component)."""
+    return type(state_dict)((k, v) for k, v in state_dict.items() if GNET not in k.split("."))
+
+
+# -----------------------------------------------------------------------------
+
+def make_attn_dropout(config, layer_idx):
+    """The attention-dropout module of layer layer_idx for config.attn_dropout (the --attn-dropout flag)."""
+    method = config.attn_dropout
+    if method == "standard":
+        return AttnDropout(config.attn_dropout_p)
+    if method == "none":
+        return AttnDropout(0.0)
+    if method == "scheduled":
+        return make_scheduled(config.schedule, config.num_layers, layer_idx)
+    if method == "attendout":
+        return AttendOut(config)
+    raise ValueError(f"unknown attn_dropout {method!r}: --attn-dropout must be one of {', '.join(METHODS)}")

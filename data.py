@@ -1,0 +1,1006 @@
+"""data.py: tokenizers, datasets, metrics and batching for attnreg (SPEC 4).
+
+Everything that turns files into tensors lives here:
+  1. tokenizers: a pretrained checkpoint's own tokenizer (byte-level BPE for RoBERTa, WordPiece for BERT,
+     SentencePiece for XLM-R), a from-scratch SentencePiece model, and the fixed ListOps vocabulary;
+  2. datasets: the nine GLUE tasks, any labelled TSV/CSV/JSONL, LRA ListOps, plain text for masked LM;
+  3. metrics: accuracy, F1, Matthews correlation, Pearson, Spearman (numpy, by hand);
+  4. the LRA ListOps generator (the Long Range Arena recipe, SPEC 4);
+  5. BERT-style MLM masking;  6. deterministic length-bucketed batching with dynamic padding.
+
+The paper ideas this serves: AttendOut (learned attention dropout) is evaluated on GLUE; ERNIE-Sparse
+(sparse + hierarchical attention, SAR) is evaluated on LRA ListOps and long text classification. Both need
+exactly the data pipeline of their baselines, so the tokenizers equal the checkpoints' HF tokenizers and the
+ListOps generator follows LRA's.
+
+Run:
+  python data.py listops data/listops --train 96000 --val 2000 --test 2000 --min-len 500 --max-len 2000 --seed 0
+  python data.py listops data/listops_small --train 2000 --val 200 --test 200 --min-len 20 --max-len 100
+  python data.py tokenize PATH_TO_HF_FOLDER_OR_PT "first sentence" ["second sentence"]
+Library use: load_tokenizer, load_task, make_batches, mask_tokens, compute_metrics.
+"""
+
+import argparse
+import csv
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import sentencepiece as spm
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tqdm import tqdm
+
+csv.field_size_limit(2**31 - 1)  # long documents (LRA text, ListOps) exceed csv's 128 KiB default
+
+
+class DataError(ValueError):
+    """A problem with the user's data or files; the CLI prints the one-line message, no traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Tokenizers
+#
+# Every tokenizer class has the same small interface:
+#   encode(text, pair=None) -> ids                     (special tokens included)
+#   encode_plus(text, pair=None, max_len=None) -> (ids, type_ids)   (truncated to max_len if given)
+#   decode(ids) -> str                                  (special tokens skipped)
+#   pad_id, mask_id, cls_id, sep_id, unk_id, vocab_size
+#   files: {filename: bytes}, everything needed to rebuild it (embedded in checkpoints, see model.py)
+# ----------------------------------------------------------------------------------------------------------
+
+# the files of an HF tokenizer folder that we read (and embed in converted checkpoints)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                      "merges.txt", "vocab.txt", "sentencepiece.bpe.model", "spiece.model")
+KIND_FILE = "attnreg_tokenizer.json"  # marker for our own tokenizers: {"kind": "sentencepiece" | "listops"}
+SPM_FILE = "attnreg_spm.model"        # the from-scratch SentencePiece model inside `files`
+
+# candidate token strings per role, RoBERTa/XLM-R spelling first, then BERT's
+SPECIAL_TOKENS = {"pad": ("<pad>", "[PAD]"), "unk": ("<unk>", "[UNK]"), "cls": ("<s>", "[CLS]"),
+                  "sep": ("</s>", "[SEP]"), "mask": ("<mask>", "[MASK]")}
+
+
+def _config_token(config, role):
+    """The token string tokenizer_config.json / special_tokens_map.json give for a role, or None."""
+    value = config.get(f"{role}_token")
+    if isinstance(value, dict):  # {"content": "<mask>", "lstrip": true, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_ids(token_to_id, config):
+    """Resolve {role: id} from the token strings (config's names first, then the usual spellings)."""
+    ids = {}
+    for role, defaults in SPECIAL_TOKENS.items():
+        names = [_config_token(config, role)] + list(defaults)
+        found = [token_to_id(name) for name in names if name is not None]
+        ids[role] = next((i for i in found if i is not None), None)
+    for role in ("pad", "cls", "sep"):
+        if ids[role] is None:
+            raise DataError(f"tokenizer has no {role} token (looked for {SPECIAL_TOKENS[role]})")
+    return ids
+
+
+def _longest_first(a, b, budget):
+    """Truncate two token lists to len(a) + len(b) <= budget, removing from the longer one (HF longest_first)."""
+    a, b = list(a), list(b)
+    while len(a) + len(b) > budget:
+        if len(a) >= len(b):
+            a.pop()
+        else:
+            b.pop()
+    return a, b
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer`: read from tokenizer.json, or built from vocab.json+merges.txt / vocab.txt.
+
+    The post-processor adds the special tokens and type ids (RoBERTa `<s> A </s></s> B </s>`, all type 0;
+    BERT `[CLS] A [SEP] B [SEP]`, types 0..0 1..1), exactly as the checkpoint's own fast tokenizer does.
+    """
+
+    def __init__(self, tok, files, config):
+        tok.no_truncation()
+        tok.no_padding()
+        self.tok, self.files = tok, files
+        ids = _special_ids(tok.token_to_id, config)
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
+            ids["pad"], ids["unk"], ids["cls"], ids["sep"], ids["mask"])
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+        self._truncating = {}  # max_len -> a copy of tok with HF's longest_first truncation
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        enc = self.tok.encode(text, pair)
+        if max_len is not None and len(enc.ids) > max_len:
+            if max_len not in self._truncating:
+                t = Tokenizer.from_str(self.tok.to_str())
+                t.enable_truncation(max_len, strategy="longest_first")
+                self._truncating[max_len] = t
+            enc = self._truncating[max_len].encode(text, pair)
+        return list(enc.ids), list(enc.type_ids)
+
+    def encode(self, text, pair=None):
+        return self.encode_plus(text, pair)[0]
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _add_specials(tok, vocab, config, lstrip_mask=False):
+    """Register the special tokens that exist in the vocabulary, so "<s>" / "[MASK]" in text stay whole."""
+    added = config.get("added_tokens_decoder", {})  # HF: {id: {"content", "lstrip", ...}}
+    lstrip = {v.get("content"): bool(v.get("lstrip")) for v in added.values() if isinstance(v, dict)}
+    names = []
+    for role, defaults in SPECIAL_TOKENS.items():
+        names += [n for n in [_config_token(config, role), *defaults] if n is not None and n in vocab]
+    seen = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False,
+                                       lstrip=lstrip.get(n, lstrip_mask and n == "<mask>")) for n in seen])
+
+
+def build_roberta_bpe(files, config):
+    """RoBERTa's byte-level BPE from vocab.json + merges.txt (GPT-2 byte-to-unicode alphabet, no unk)."""
+    vocab = json.loads(files["vocab.json"].decode("utf-8"))
+    merges = []
+    for line in files["merges.txt"].decode("utf-8").split("\n"):
+        line = line.rstrip("\r")
+        if not line or line.startswith("#version"):
+            continue
+        a, b = line.split(" ")
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False))
+    add_prefix_space = bool(config.get("add_prefix_space", False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    tok.decoder = decoders.ByteLevel()
+    _add_specials(tok, vocab, config)
+    ids = _special_ids(tok.token_to_id, config)
+    cls, sep = tok.id_to_token(ids["cls"]), tok.id_to_token(ids["sep"])
+    # <s> A </s>  and  <s> A </s> </s> B </s>, type ids all 0
+    tok.post_processor = processors.RobertaProcessing((sep, ids["sep"]), (cls, ids["cls"]),
+                                                      trim_offsets=bool(config.get("trim_offsets", True)),
+                                                      add_prefix_space=add_prefix_space)
+    return tok
+
+
+def build_bert_wordpiece(files, config):
+    """BERT's WordPiece from vocab.txt (one token a line, id = line number), BertNormalizer + pre-tokenizer."""
+    lines = files["vocab.txt"].decode("utf-8").replace("\r\n", "\n").split("\n")
+    if lines and lines[-1] == "":
+        lines = lines[:-1]
+    vocab = {}
+    for i, token in enumerate(lines):
+        vocab[token] = i
+    unk = next((n for n in (_config_token(config, "unk"), "[UNK]", "<unk>") if n in vocab), "[UNK]")
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+        strip_accents=config.get("strip_accents"), lowercase=bool(config.get("do_lower_case", True)))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    _add_specials(tok, vocab, config)
+    ids = _special_ids(tok.token_to_id, config)
+    cls, sep = tok.id_to_token(ids["cls"]), tok.id_to_token(ids["sep"])
+    # [CLS] A [SEP]  and  [CLS] A [SEP] B [SEP] with type ids 0 .. 0 1 .. 1
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, ids["cls"]), (sep, ids["sep"])])
+    return tok
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model, in one of two id layouts.
+
+    fairseq=True (XLM-R's sentencepiece.bpe.model, as transformers' XLMRobertaTokenizer maps it):
+      <s>=0 <pad>=1 </s>=2 <unk>=3; spm piece p (p >= 3) -> p + 1; spm 0 '<unk>' -> 3; <mask> = len(spm) + 1.
+      Pairs: <s> A </s> </s> B </s>, type ids all 0.
+    fairseq=False (our from-scratch model, see train_sentencepiece): ids are the spm ids,
+      pad=0 unk=1 cls(<s>)=2 sep(</s>)=3 mask=4. Pairs: <s> A </s> B </s>, type ids all 0 (RoBERTa style).
+    A literal "<mask>" in text is not recognised in the fairseq layout (the HF tokenizer.json path does).
+    """
+
+    def __init__(self, model_bytes, files, fairseq):
+        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        self.files, self.fairseq = files, fairseq
+        n = self.sp.get_piece_size()
+        if fairseq:
+            self.cls_id, self.pad_id, self.sep_id, self.unk_id, self.mask_id = 0, 1, 2, 3, n + 1
+            self.vocab_size = n + 2
+        else:
+            ids = _special_ids(self._piece_id, {})
+            self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
+                ids["pad"], ids["unk"], ids["cls"], ids["sep"], ids["mask"])
+            self.vocab_size = n
+
+    def _piece_id(self, piece):
+        i = self.sp.piece_to_id(piece)  # spm answers unk_id for an unknown piece
+        return i if self.sp.id_to_piece(i) == piece else None
+
+    def _pieces(self, text):
+        ids = self.sp.encode(text)
+        if self.fairseq:
+            return [p + 1 if p else self.unk_id for p in ids]  # fairseq offset 1, spm <unk> (0) -> 3
+        return ids
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        a = self._pieces(text)
+        b = self._pieces(pair) if pair is not None else None
+        n_special = 2 if b is None else (4 if self.fairseq else 3)
+        if max_len is not None:
+            a, b = _longest_first(a, b or [], max_len - n_special)
+            b = b if pair is not None else None
+        ids = [self.cls_id] + a + [self.sep_id]
+        if b is not None:
+            ids += ([self.sep_id] if self.fairseq else []) + b + [self.sep_id]
+        return ids, [0] * len(ids)
+
+    def encode(self, text, pair=None):
+        return self.encode_plus(text, pair)[0]
+
+    def decode(self, ids):
+        special = {self.cls_id, self.pad_id, self.sep_id, self.mask_id}
+        ids = [int(i) for i in ids if int(i) not in special]
+        if self.fairseq:
+            ids = [i - 1 if i != self.unk_id else 0 for i in ids]
+        return self.sp.decode(ids)
+
+
+def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
+    """Train (or reuse) a from-scratch SentencePiece model on the training texts (SPEC 4, from scratch).
+
+    Writes MODEL_PREFIX_PATH.model beside the data; an existing .model with the same vocab size is reused
+    (the cache key is the vocab size only: delete the file after changing the data).
+    Fixed ids: pad=0, unk=1, cls=<s>=2, sep=</s>=3, mask=<mask>=4 (a user-defined symbol).
+    """
+    path = model_prefix_path + ".model"
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            model_bytes = f.read()
+        if spm.SentencePieceProcessor(model_proto=model_bytes).get_piece_size() == vocab_size:
+            return _scratch_spm(model_bytes)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(t for t in texts if t.strip()), model_prefix=model_prefix_path,
+            vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
+            bos_piece="<s>", eos_piece="</s>", user_defined_symbols=["<mask>"],
+            input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
+        raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]}") from None
+    with open(path, "rb") as f:
+        return _scratch_spm(f.read())
+
+
+def _scratch_spm(model_bytes):
+    files = {KIND_FILE: json.dumps({"kind": "sentencepiece"}).encode(), SPM_FILE: model_bytes}
+    return SentencePieceTokenizer(model_bytes, files, fairseq=False)
+
+
+class ListOpsTokenizer:
+    """Fixed ListOps vocabulary (SPEC 4): specials, the 10 digits, the 4 operators and ']'.
+
+    Input = whitespace tokens of LRA's Source string with "(" and ")" dropped, [cls] prepended (the first
+    token is the global / classifier token). No [sep] is appended. (LRA's own pipeline also drops ']' and '[';
+    we keep them, as SPEC 4 says only the parentheses go.)
+    """
+
+    SYMBOLS = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"] + [str(d) for d in range(10)] + \
+              ["[MIN", "[MAX", "[MED", "[SM", "]"]
+
+    def __init__(self):
+        self.vocab = {s: i for i, s in enumerate(self.SYMBOLS)}
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = 0, 1, 2, 3, 4
+        self.vocab_size = len(self.SYMBOLS)
+        self.files = {KIND_FILE: json.dumps({"kind": "listops", "symbols": self.SYMBOLS}).encode()}
+
+    def _pieces(self, text):
+        return [self.vocab.get(t, self.unk_id) for t in text.split() if t not in ("(", ")")]
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        ids = [self.cls_id] + self._pieces(text)
+        if pair is not None:
+            ids += [self.sep_id] + self._pieces(pair)
+        if max_len is not None:
+            ids = ids[:max_len]  # LRA cuts inputs at max_length
+        return ids, [0] * len(ids)
+
+    def encode(self, text, pair=None):
+        return self.encode_plus(text, pair)[0]
+
+    def decode(self, ids):
+        return " ".join(self.SYMBOLS[int(i)] for i in ids if int(i) > self.mask_id)
+
+
+def tokenizer_from_files(files):
+    """Build the right tokenizer from {filename: bytes} (an HF folder's files or a checkpoint's)."""
+    if KIND_FILE in files:
+        kind = json.loads(files[KIND_FILE].decode("utf-8")).get("kind")
+        if kind == "sentencepiece":
+            return _scratch_spm(files[SPM_FILE])
+        if kind == "listops":
+            return ListOpsTokenizer()
+        raise DataError(f"unknown tokenizer kind {kind!r} in {KIND_FILE}")
+    config = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        if name in files:
+            config.update(json.loads(files[name].decode("utf-8")))
+    if "tokenizer.json" in files:
+        return HFTokenizer(Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")), files, config)
+    if "vocab.json" in files and "merges.txt" in files:
+        return HFTokenizer(build_roberta_bpe(files, config), files, config)
+    if "vocab.txt" in files:
+        return HFTokenizer(build_bert_wordpiece(files, config), files, config)
+    if "sentencepiece.bpe.model" in files:
+        return SentencePieceTokenizer(files["sentencepiece.bpe.model"], files, fairseq=True)
+    raise DataError(f"no supported tokenizer files (have {sorted(files)}; need tokenizer.json, "
+                    "vocab.json+merges.txt, vocab.txt or sentencepiece.bpe.model)")
+
+
+def files_to_tensors(files):
+    """{name: bytes} -> {name: uint8 tensor}, the checkpoint format (torch.load weights_only=True safe)."""
+    return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
+            torch.zeros(0, dtype=torch.uint8) for name, data in files.items()}
+
+
+def load_tokenizer(path):
+    """Tokenizer of an HF folder or of a converted / trained `.pt` checkpoint (files under ckpt["tokenizer"])."""
+    if os.path.isdir(path):
+        files = {}
+        for name in HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE):
+            p = os.path.join(path, name)
+            if os.path.isfile(p):
+                with open(p, "rb") as f:
+                    files[name] = f.read()
+    elif os.path.isfile(path):
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # not a torch file, or not weights_only-safe
+            raise DataError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+        try:
+            stored = ckpt["tokenizer"]["files"]
+        except (KeyError, TypeError):
+            raise DataError(f"{path}: checkpoint has no tokenizer files (ckpt['tokenizer']['files'])") from None
+        files = {name: t.numpy().tobytes() for name, t in stored.items()}
+    else:
+        raise DataError(f"{path}: no such tokenizer folder or checkpoint")
+    return tokenizer_from_files(files)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Datasets
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    ids: list[int]              # token ids, special tokens included
+    type_ids: list[int] | None  # segment ids, or None (= all zeros)
+    label: int | float          # class index, or float score for regression (STS-B)
+
+
+@dataclass
+class TaskData:
+    train: list           # list[Example]
+    dev: dict             # split name -> list[Example] (MNLI: dev_matched, dev_mismatched)
+    num_labels: int       # 1 for regression, 0 for mlm
+    is_regression: bool
+    metric_name: str      # the main metric, a key of compute_metrics' dict
+    label_names: list     # class index -> label string
+    n_truncated: int = 0  # examples cut to max_len (the caller warns once)
+    n_skipped: int = 0    # malformed rows skipped (QQP only, see TASKS)
+
+
+# The nine GLUE tasks, in the official GLUE folder layout (SPEC 4). Columns are header names, or 0-based
+# indices for CoLA (no header). labels: the label strings in class-index order (None: regression).
+TASKS = {
+    "cola": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=False, ncols=4,
+                 text=3, pair=None, label=1, labels=["0", "1"], metric="mcc"),
+    "sst2": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True,
+                 text="sentence", pair=None, label="label", labels=["0", "1"], metric="acc"),
+    "mrpc": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True,
+                 text="#1 String", pair="#2 String", label="Quality", labels=["0", "1"], metric="f1"),
+    "stsb": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True,
+                 text="sentence1", pair="sentence2", label="score", labels=None, metric="pearson"),
+    "qqp": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True, skip_bad_rows=True,
+                text="question1", pair="question2", label="is_duplicate", labels=["0", "1"], metric="f1"),
+    "mnli": dict(train="train.tsv", dev={"dev_matched": "dev_matched.tsv", "dev_mismatched": "dev_mismatched.tsv"},
+                 header=True, text="sentence1", pair="sentence2", label="gold_label",
+                 labels=["contradiction", "entailment", "neutral"], metric="acc"),
+    "qnli": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True, text="question", pair="sentence",
+                 label="label", labels=["entailment", "not_entailment"], metric="acc"),
+    "rte": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True, text="sentence1", pair="sentence2",
+                label="label", labels=["entailment", "not_entailment"], metric="acc"),
+    "wnli": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=True, text="sentence1", pair="sentence2",
+                 label="label", labels=["0", "1"], metric="acc"),
+}
+# QQP: transformers' GLUE processor skips QQP rows with missing columns; we do the same (and count them).
+OTHER_TASKS = {"tsv": "acc", "listops": "acc", "mlm": "loss"}
+VALID_TASKS = list(TASKS) + list(OTHER_TASKS)
+
+
+def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
+    """[(line_number, row)] of a TSV/CSV file (empty lines skipped; BOM stripped). QUOTE_NONE for GLUE."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    rows = []
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
+        for row in reader:
+            if row:
+                rows.append((reader.line_num, row))
+    if not rows:
+        raise DataError(f"{path}:1: empty file")
+    return rows
+
+
+def _column(header, col, path):
+    """Index of a column given by name (needs the header) or by 0-based index."""
+    if isinstance(col, int):
+        return col
+    if header is None:
+        raise DataError(f"{path}:1: column {col!r} given by name but the file has no header")
+    if col not in header:
+        raise DataError(f"{path}:1: no column {col!r} in header {header}")
+    return header.index(col)
+
+
+def _encode(tokenizer, text, pair, max_len, stats):
+    """Example ids for (text, pair); counts truncation in stats['truncated']."""
+    ids, type_ids = tokenizer.encode_plus(text, pair)
+    if max_len is not None and len(ids) > max_len:
+        ids, type_ids = tokenizer.encode_plus(text, pair, max_len=max_len)
+        stats["truncated"] += 1
+    return ids, type_ids
+
+
+def _labelled_examples(records, tokenizer, max_len, label_index, stats):
+    """records: (where, text, pair, label_string). label_index: {string: class} or None (float regression)."""
+    examples = []
+    for where, text, pair, label in records:
+        if not text.strip() or (pair is not None and not pair.strip()):
+            raise DataError(f"{where}: empty text")
+        if label_index is None:
+            try:
+                y = float(label)
+            except ValueError:
+                raise DataError(f"{where}: non-numeric score {label!r}") from None
+        elif label in label_index:
+            y = label_index[label]
+        else:
+            raise DataError(f"{where}: unknown label {label!r} (expected one of {sorted(label_index)})")
+        ids, type_ids = _encode(tokenizer, text, pair, max_len, stats)
+        examples.append(Example(ids, type_ids, y))
+    return examples
+
+
+def read_glue(task, path):
+    """[(where, text, pair, label)] of one GLUE file, rows validated (column count)."""
+    spec = TASKS[task]
+    rows = read_rows(path)
+    header = None
+    if spec["header"]:
+        header = [h.strip() for h in rows[0][1]]
+        rows = rows[1:]
+    ncols = len(header) if header is not None else spec["ncols"]
+    ti = _column(header, spec["text"], path)
+    pi = _column(header, spec["pair"], path) if spec["pair"] is not None else None
+    li = _column(header, spec["label"], path)
+    records, skipped = [], 0
+    for line, row in rows:
+        if len(row) != ncols:
+            if spec.get("skip_bad_rows"):
+                skipped += 1
+                continue
+            raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
+        records.append((f"{path}:{line}", row[ti], row[pi] if pi is not None else None, row[li].strip()))
+    return records, skipped
+
+
+def _as_column(col):
+    """CLI column spec: "3" -> 3, "sentence" -> "sentence", None stays None."""
+    if isinstance(col, str) and col.strip().lstrip("-").isdigit():
+        return int(col)
+    return col
+
+
+def read_generic(path, *, text_col, label_col, text_pair_col=None, header="auto"):
+    """[(where, text, pair, label_string)] of a TSV / CSV / JSONL file.
+
+    Columns are names or 0-based indices. header: True, False or "auto" (= a header row exactly when some
+    column is given by name). JSONL lines are objects (by key; an index counts in key order) or lists.
+    """
+    text_col, label_col, text_pair_col = _as_column(text_col), _as_column(label_col), _as_column(text_pair_col)
+    cols = [c for c in (text_col, text_pair_col, label_col) if c is not None]
+    ext = os.path.splitext(path)[1].lower()
+    records = []
+    if ext in (".jsonl", ".json"):
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such file")
+        with open(path, encoding="utf-8-sig") as f:
+            lines = [(i, s) for i, s in enumerate(f, 1) if s.strip()]
+        if not lines:
+            raise DataError(f"{path}:1: empty file")
+        for line, s in lines:
+            where = f"{path}:{line}"
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+            values = list(obj.values()) if isinstance(obj, dict) else obj
+
+            def get(c):
+                try:
+                    return obj[c] if isinstance(c, str) else values[c]
+                except (KeyError, IndexError, TypeError):
+                    raise DataError(f"{where}: no column {c!r}") from None
+            pair = get(text_pair_col) if text_pair_col is not None else None
+            records.append((where, str(get(text_col)), None if pair is None else str(pair), str(get(label_col))))
+        return records
+    if ext == ".csv":
+        rows = read_rows(path, delimiter=",", quoting=csv.QUOTE_MINIMAL)
+    else:
+        rows = read_rows(path)
+    has_header = any(isinstance(c, str) for c in cols) if header == "auto" else bool(header)
+    head = [h.strip() for h in rows[0][1]] if has_header else None
+    if has_header:
+        rows = rows[1:]
+        if not rows:
+            raise DataError(f"{path}:2: no rows after the header")
+    idx = [_column(head, c, path) if c is not None else None for c in (text_col, text_pair_col, label_col)]
+    ncols = len(head) if head is not None else len(rows[0][1])
+    for line, row in rows:
+        if len(row) != ncols or max(i for i in idx if i is not None) >= len(row):
+            raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
+        ti, pi, li = idx
+        records.append((f"{path}:{line}", row[ti], row[pi] if pi is not None else None, row[li].strip()))
+    return records
+
+
+def sorted_labels(labels):
+    """Label strings in class order: numerically if they are all integers ("2" < "10"), else sorted."""
+    labels = set(labels)
+    try:
+        return sorted(labels, key=int)
+    except ValueError:
+        return sorted(labels)
+
+
+def load_generic(path, tokenizer, *, text_col, label_col, text_pair_col=None, header="auto", max_len=None,
+                 label_names=None):
+    """Examples of any labelled TSV/CSV/JSONL. label_names=None (a training file): built from its labels.
+
+    Returns (examples, label_names, n_truncated). Dev labels unseen in training raise DataError.
+    """
+    records = read_generic(path, text_col=text_col, label_col=label_col, text_pair_col=text_pair_col,
+                           header=header)
+    if label_names is None:
+        label_names = sorted_labels(r[3] for r in records)
+    stats = {"truncated": 0}
+    label_index = {name: i for i, name in enumerate(label_names)}
+    examples = _labelled_examples(records, tokenizer, max_len, label_index, stats)
+    return examples, label_names, stats["truncated"]
+
+
+def _find_split(folder, stem):
+    for ext in (".tsv", ".csv", ".jsonl"):
+        p = os.path.join(folder, stem + ext)
+        if os.path.isfile(p):
+            return p
+    raise DataError(f"{folder}: no {stem}.tsv, {stem}.csv or {stem}.jsonl")
+
+
+def read_listops(path, tokenizer, max_len, stats):
+    """Examples of a ListOps TSV (ours or LRA's released files): header Source<TAB>Target."""
+    rows = read_rows(path)
+    header = [h.strip() for h in rows[0][1]]
+    si, ti = _column(header, "Source", path), _column(header, "Target", path)
+    examples = []
+    for line, row in rows[1:]:
+        if len(row) != len(header):
+            raise DataError(f"{path}:{line}: expected {len(header)} columns, got {len(row)}")
+        try:
+            label = int(row[ti])
+        except ValueError:
+            raise DataError(f"{path}:{line}: target {row[ti]!r} is not an integer 0-9") from None
+        if not 0 <= label <= 9:
+            raise DataError(f"{path}:{line}: target {label} is not in 0-9")
+        if not row[si].strip():
+            raise DataError(f"{path}:{line}: empty text")
+        ids, type_ids = _encode(tokenizer, row[si], None, max_len, stats)
+        examples.append(Example(ids, type_ids, label))
+    return examples
+
+
+def read_mlm(paths, tokenizer, max_len, stats):
+    """Plain text, one document / sentence a line; each line -> [cls] pieces [sep], long lines chunked.
+
+    Chunks hold max_len - 2 content tokens (labels 0; mask_tokens makes the MLM labels per batch).
+    Content = encode(line)[1:-1], valid for every tokenizer here whose single format is cls A sep.
+    """
+    examples = []
+    budget = max(1, max_len - 2) if max_len is not None else None
+    for path in paths:
+        with open(path, encoding="utf-8-sig") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                content = tokenizer.encode(line.rstrip("\n"))[1:-1]
+                if not content:
+                    continue
+                step = budget or len(content)
+                if len(content) > step:
+                    stats["truncated"] += 1  # here: lines split into several chunks
+                for s in range(0, len(content), step):
+                    ids = [tokenizer.cls_id] + content[s:s + step] + [tokenizer.sep_id]
+                    examples.append(Example(ids, None, 0))
+    return examples
+
+
+def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_col=None, train_file=None):
+    """The raw training texts of a task (both sides of pairs), to train a from-scratch SentencePiece model."""
+    name = task.lower().replace("-", "")
+    if name in TASKS:
+        records, _ = read_glue(name, train_file or os.path.join(data_dir, TASKS[name]["train"]))
+    elif name == "tsv":
+        records = read_generic(train_file or _find_split(data_dir, "train"), text_col=text_col, label_col=label_col,
+                               text_pair_col=text_pair_col)
+    elif name == "mlm":
+        path = train_file or (os.path.join(data_dir, "train.txt") if os.path.isdir(data_dir) else data_dir)
+        with open(path, encoding="utf-8-sig") as f:
+            return [line.strip() for line in f if line.strip()]
+    else:
+        raise DataError(f"task {task!r} has no text to train a tokenizer on")
+    return [t for _, text, pair, _ in records for t in (text, pair) if t]
+
+
+def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_col=None, label_col=None,
+              train_file=None, dev_file=None, header="auto"):
+    """TaskData for a GLUE task, "tsv" (any labelled file), "listops" or "mlm" (SPEC 4)."""
+    name = task.lower().replace("-", "")
+    stats = {"truncated": 0}
+    if name in TASKS:
+        spec = TASKS[name]
+        label_index = {s: i for i, s in enumerate(spec["labels"])} if spec["labels"] else None
+        train_path = train_file or os.path.join(data_dir, spec["train"])
+        dev_paths = {"dev": dev_file} if dev_file else {k: os.path.join(data_dir, v) for k, v in spec["dev"].items()}
+        records, n_skipped = read_glue(name, train_path)
+        train = _labelled_examples(records, tokenizer, max_len, label_index, stats)
+        dev = {}
+        for split, path in dev_paths.items():
+            records, skipped = read_glue(name, path)
+            n_skipped += skipped
+            dev[split] = _labelled_examples(records, tokenizer, max_len, label_index, stats)
+        regression = spec["labels"] is None
+        return TaskData(train, dev, 1 if regression else len(spec["labels"]), regression, spec["metric"],
+                        list(spec["labels"] or []), stats["truncated"], n_skipped)
+    if name == "tsv":
+        if text_col is None or label_col is None:
+            raise DataError("task tsv needs --text-col and --label-col (names or 0-based indices)")
+        if train_file is None or dev_file is None:
+            if os.path.isfile(data_dir):
+                raise DataError(f"{data_dir}: task tsv needs a folder with train/dev files, or --train-file "
+                                "and --dev-file")
+        train_path = train_file or _find_split(data_dir, "train")
+        dev_path = dev_file or _find_split(data_dir, "dev")
+        kw = dict(text_col=text_col, label_col=label_col, text_pair_col=text_pair_col, header=header,
+                  max_len=max_len)
+        train, labels, n1 = load_generic(train_path, tokenizer, **kw)
+        dev, _, n2 = load_generic(dev_path, tokenizer, label_names=labels, **kw)
+        return TaskData(train, {"dev": dev}, len(labels), False, "acc", labels, n1 + n2)
+    if name == "listops":
+        tokenizer = tokenizer if tokenizer is not None else ListOpsTokenizer()
+        train = read_listops(train_file or os.path.join(data_dir, "basic_train.tsv"), tokenizer, max_len, stats)
+        dev = read_listops(dev_file or os.path.join(data_dir, "basic_val.tsv"), tokenizer, max_len, stats)
+        return TaskData(train, {"dev": dev}, 10, False, "acc", [str(d) for d in range(10)], stats["truncated"])
+    if name == "mlm":
+        if train_file:
+            train_paths = [train_file]
+        elif os.path.isdir(data_dir):
+            train_paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir)
+                                 if f.endswith(".txt") and f not in ("dev.txt", "valid.txt"))
+            if os.path.isfile(os.path.join(data_dir, "train.txt")):
+                train_paths = [os.path.join(data_dir, "train.txt")]
+        else:
+            train_paths = [data_dir]
+        if not train_paths or not all(os.path.isfile(p) for p in train_paths):
+            raise DataError(f"{data_dir}: no .txt files for mlm")
+        dev_paths = [dev_file] if dev_file else []
+        for n in ("dev.txt", "valid.txt"):
+            if not dev_paths and os.path.isdir(data_dir) and os.path.isfile(os.path.join(data_dir, n)):
+                dev_paths = [os.path.join(data_dir, n)]
+        train = read_mlm(train_paths, tokenizer, max_len, stats)
+        if not train:
+            raise DataError(f"{train_paths[0]}:1: empty file")
+        dev = {"dev": read_mlm(dev_paths, tokenizer, max_len, stats)} if dev_paths else {}
+        return TaskData(train, dev, 0, False, "loss", [], stats["truncated"])
+    raise DataError(f"unknown task {task!r}; valid: {', '.join(VALID_TASKS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Metrics (numpy, by hand; SPEC 4: the official GLUE metrics)
+# ----------------------------------------------------------------------------------------------------------
+
+def accuracy(preds, labels):
+    return float(np.mean(np.asarray(preds) == np.asarray(labels)))
+
+
+def f1_binary(preds, labels):
+    """F1 of the positive class 1: 2 tp / (2 tp + fp + fn); 0 when there is no positive at all."""
+    p, y = np.asarray(preds) == 1, np.asarray(labels) == 1
+    tp, fp, fn = np.sum(p & y), np.sum(p & ~y), np.sum(~p & y)
+    return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn > 0 else 0.0
+
+
+def matthews_corrcoef(preds, labels):
+    """MCC from the confusion matrix C (K classes; = (tp tn - fp fn) / sqrt(...) for K = 2):
+    mcc = (c s - t.p) / sqrt((s^2 - p.p)(s^2 - t.t)), c = trace C, s = sum C, t / p = true / predicted counts.
+    0 when the denominator is 0 (sklearn's convention)."""
+    preds, labels = np.asarray(preds, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    k = int(max(preds.max(initial=0), labels.max(initial=0))) + 1
+    C = np.zeros((k, k), dtype=np.float64)
+    np.add.at(C, (labels, preds), 1)
+    t, p, c, s = C.sum(1), C.sum(0), np.trace(C), C.sum()
+    denom = np.sqrt((s * s - p @ p) * (s * s - t @ t))
+    return float((c * s - t @ p) / denom) if denom > 0 else 0.0
+
+
+def pearson(x, y):
+    """r = sum(dx dy) / sqrt(sum dx^2 sum dy^2); 0 for a constant input (undefined)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    dx, dy = x - x.mean(), y - y.mean()
+    denom = np.sqrt(np.sum(dx * dx) * np.sum(dy * dy))
+    return float(np.sum(dx * dy) / denom) if denom > 0 else 0.0
+
+
+def average_ranks(x):
+    """Ranks 1..n, ties get the mean of the ranks they span (e.g. [10, 20, 20, 30] -> [1, 2.5, 2.5, 4])."""
+    _, inverse, counts = np.unique(np.asarray(x), return_inverse=True, return_counts=True)
+    end = np.cumsum(counts)            # last rank of each distinct value
+    start = end - counts + 1           # first rank
+    return ((start + end) / 2.0)[inverse.reshape(-1)]
+
+
+def spearman(x, y):
+    """Spearman rho = Pearson correlation of the average ranks."""
+    return pearson(average_ranks(x), average_ranks(y))
+
+
+def compute_metrics(task_name, preds, labels):
+    """The task's official metrics (SPEC 4). preds: class ids or logits [N, K] (argmax taken); regression:
+    scores [N] or [N, 1]. MNLI: call once per dev split."""
+    name = task_name.lower().replace("-", "")
+    preds, labels = np.asarray(preds), np.asarray(labels)
+    if name == "stsb":
+        preds = preds.reshape(-1).astype(np.float64)
+        pr, sr = pearson(preds, labels), spearman(preds, labels)
+        return {"pearson": pr, "spearman": sr, "corr": (pr + sr) / 2}
+    if preds.ndim == 2:
+        preds = preds.argmax(-1)
+    if name == "cola":
+        return {"mcc": matthews_corrcoef(preds, labels), "acc": accuracy(preds, labels)}
+    if name in ("mrpc", "qqp"):
+        return {"f1": f1_binary(preds, labels), "acc": accuracy(preds, labels)}
+    if name in TASKS or name in ("tsv", "listops"):
+        return {"acc": accuracy(preds, labels)}
+    raise DataError(f"no metrics for task {task_name!r}; valid: {', '.join(VALID_TASKS[:-1])}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. LRA ListOps generator (SPEC 4; the Long Range Arena recipe, lra_benchmarks/data/listops.py)
+# ----------------------------------------------------------------------------------------------------------
+
+LISTOPS_OPS = ("[MIN", "[MAX", "[MED", "[SM")
+LISTOPS_END = "]"
+LISTOPS_VALUE_P = 0.25  # LRA: a node is an operator when random() <= 0.25, else a leaf (p = 0.75)
+
+
+def _apply_op(op, values):
+    if op == "[MIN":
+        return min(values)
+    if op == "[MAX":
+        return max(values)
+    if op == "[MED":
+        return int(np.median(values))  # even count: int() of the mean of the middle two
+    return sum(values) % 10            # [SM
+
+
+def _render(op, args):
+    """LRA's left-branching tuple rendering: ((((op, a1), a2), ...), ']') with "( x y )" per tuple.
+    [MAX 2 9] -> "( ( ( [MAX 2 ) 9 ) ] )"."""
+    parts = ["( " * (len(args) + 1) + op]
+    for a in args:
+        parts.append(" " + a + " )")
+    parts.append(" " + LISTOPS_END + " )")
+    return "".join(parts)
+
+
+def listops_tree(rng, depth, max_depth, max_args, budget=float("inf")):
+    """One random expression: (source string, length, value), or None once its length would exceed budget.
+
+    Length counts 1 per value, 2 per operator (the operator token and its ']'), i.e. the number of model
+    tokens once parentheses are dropped. Stopping early at the budget only skips the rest of a tree that
+    would be discarded anyway, so the accepted samples have LRA's distribution (short ranges stay fast).
+    """
+    r = rng.random() if depth < max_depth else 1.0  # always a leaf at the maximum depth
+    if r > LISTOPS_VALUE_P:
+        v = rng.randrange(10)
+        return str(v), 1, v
+    n_args = rng.randint(2, max_args)
+    args, values, length = [], [], 2
+    for _ in range(n_args):
+        sub = listops_tree(rng, depth + 1, max_depth, max_args, budget - length)
+        if sub is None or length + sub[1] > budget:
+            return None
+        args.append(sub[0])
+        values.append(sub[2])
+        length += sub[1]
+    op = rng.choice(LISTOPS_OPS)  # LRA draws the operator after its arguments
+    return _render(op, args), length, _apply_op(op, values)
+
+
+def _max_listops_length(max_depth, max_args, depth=1):
+    if depth >= max_depth:
+        return 1
+    return 2 + max_args * _max_listops_length(max_depth, max_args, depth + 1)
+
+
+def generate_listops(n, min_len, max_len, seed, max_depth=10, max_args=10, progress=False, max_misses=1_000_000):
+    """n distinct (source, label) samples with min_len < length < max_len (LRA's bounds are exclusive).
+
+    Like LRA, trees are drawn from the root at depth 1 and duplicates are discarded (LRA keeps a set),
+    so samples are unique across the splits written by write_listops.
+    """
+    if max_args < 2 or max_depth < 1:
+        raise DataError(f"ListOps needs max_args >= 2 and max_depth >= 1 (got {max_args}, {max_depth})")
+    # achievable lengths: 1 (a lone value) and 4 .. longest (an operator with >= 2 arguments); the exclusive
+    # range (min_len, max_len) must contain one of them, otherwise the loop below could never end
+    longest = _max_listops_length(max_depth, max_args)
+    if not (min_len < 1 < max_len or max(min_len + 1, 4) <= min(max_len - 1, longest)):
+        raise DataError(f"ListOps length range {min_len} < length < {max_len} holds no possible length "
+                        f"(1 or 4..{longest} with max_depth={max_depth}, max_args={max_args})")
+    rng = random.Random(seed)
+    seen, out, misses = set(), [], 0
+    bar = tqdm(total=n, desc="listops", disable=not progress)
+    while len(out) < n:
+        tree = listops_tree(rng, 1, max_depth, max_args, budget=max_len - 1)
+        if tree is not None and tree[1] > min_len and tree[0] not in seen:
+            source, length, value = tree
+            seen.add(source)
+            out.append((source, int(value)))
+            bar.update(1)
+            misses = 0
+        else:
+            misses += 1
+            if misses >= max_misses:
+                bar.close()
+                raise DataError(f"ListOps: no new sample with {min_len} < length < {max_len} in {max_misses} "
+                                f"draws after {len(out)} samples; widen the range or lower the counts")
+    bar.close()
+    return out
+
+
+def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, max_len=2000, seed=0,
+                  max_depth=10, max_args=10, progress=False):
+    """basic_{train,val,test}.tsv with header Source<TAB>Target (LRA's layout). Returns the three paths."""
+    data = generate_listops(n_train + n_val + n_test, min_len, max_len, seed, max_depth, max_args, progress)
+    splits = {"train": data[:n_train], "val": data[n_train:n_train + n_val], "test": data[n_train + n_val:]}
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split, rows in splits.items():
+        paths[split] = os.path.join(out_dir, f"basic_{split}.tsv")
+        with open(paths[split], "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+            writer.writerow(["Source", "Target"])
+            writer.writerows(rows)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Masked-LM masking (BERT / RoBERTa recipe)
+# ----------------------------------------------------------------------------------------------------------
+
+def mask_tokens(input_ids, attention_mask, *, mask_id, vocab_size, special_ids, generator=None, mlm_prob=0.15):
+    """Select each real, non-special token with probability mlm_prob; of the selected: 80% -> mask_id,
+    10% -> a uniformly random token, 10% unchanged. Returns (masked_ids [B, L], labels [B, L]) with
+    labels = original id where selected, -100 elsewhere (ignored by cross-entropy).
+    generator must live on input_ids' device (or be None: the global RNG)."""
+    dev, shape = input_ids.device, input_ids.shape
+    special = torch.tensor(sorted(set(int(i) for i in special_ids)), dtype=input_ids.dtype, device=dev)
+    candidate = attention_mask.bool() & ~torch.isin(input_ids, special)                    # [B, L]
+    selected = torch.bernoulli(torch.full(shape, mlm_prob, device=dev), generator=generator).bool() & candidate
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))            # [B, L]
+    to_mask = torch.bernoulli(torch.full(shape, 0.8, device=dev), generator=generator).bool() & selected
+    # half of the remaining 20% -> random token (10% overall), the other half unchanged
+    to_random = torch.bernoulli(torch.full(shape, 0.5, device=dev), generator=generator).bool() & selected & ~to_mask
+    random_ids = torch.randint(vocab_size, shape, generator=generator, dtype=input_ids.dtype, device=dev)
+    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(to_random, random_ids, masked)
+    return masked, labels
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. Batching: deterministic length buckets, dynamic padding
+# ----------------------------------------------------------------------------------------------------------
+
+def collate(examples, pad_id, multiple_of=1):
+    """Pad to the longest example, rounded up to multiple_of. Returns the batch dict of the contract."""
+    L = max(len(e.ids) for e in examples)
+    L = -(-L // multiple_of) * multiple_of
+    B = len(examples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)          # [B, L]
+    attention_mask = torch.zeros((B, L), dtype=torch.long)            # [B, L], 1 = real token
+    token_type_ids = torch.zeros((B, L), dtype=torch.long)            # [B, L]
+    for i, e in enumerate(examples):
+        n = len(e.ids)
+        input_ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        if e.type_ids is not None:
+            token_type_ids[i, :n] = torch.tensor(e.type_ids, dtype=torch.long)
+    regression = any(isinstance(e.label, float) for e in examples)
+    labels = torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long)  # [B]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
+            "labels": labels}
+
+
+def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1, bucket_batches=50):
+    """Batches of the contract, deterministic given (seed, epoch).
+
+    shuffle=True: shuffle, sort by length inside chunks of bucket_batches batches (similar lengths share a
+    batch, little padding), cut into batches, shuffle the batch order. shuffle=False: original order (eval).
+    """
+    order = list(range(len(examples)))
+    if shuffle:
+        rng = np.random.default_rng([seed, epoch])
+        order = [int(i) for i in rng.permutation(len(examples))]
+        chunk = batch_size * bucket_batches
+        order = [i for s in range(0, len(order), chunk)
+                 for i in sorted(order[s:s + chunk], key=lambda j: len(examples[j].ids))]
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    if shuffle:
+        batches = [batches[int(i)] for i in rng.permutation(len(batches))]
+    return [collate([examples[i] for i in b], pad_id, multiple_of) for b in batches]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. CLI
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="attnreg data tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("listops", help="generate LRA ListOps basic_{train,val,test}.tsv")
+    p.add_argument("out_dir")
+    p.add_argument("--train", type=int, default=96000)
+    p.add_argument("--val", type=int, default=2000)
+    p.add_argument("--test", type=int, default=2000)
+    p.add_argument("--min-len", type=int, default=500)
+    p.add_argument("--max-len", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-depth", type=int, default=10)
+    p.add_argument("--max-args", type=int, default=10)
+    t = sub.add_parser("tokenize", help="print the ids of a text (and pair) with a checkpoint's tokenizer")
+    t.add_argument("path")
+    t.add_argument("text")
+    t.add_argument("pair", nargs="?")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "listops":
+            paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len,
+                                  args.seed, args.max_depth, args.max_args, progress=True)
+            print(" ".join(paths.values()))
+        else:
+            ids, type_ids = load_tokenizer(args.path).encode_plus(args.text, args.pair)
+            print(json.dumps({"ids": ids, "type_ids": type_ids}))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Block-sparse attention (BigBird-style) and the HST stage-1 kernel, in plain PyTorch.
+
+Idea (SPEC 2.1, 2.2): cut the sequence into blocks of b tokens; query block i attends only to the key
+blocks i-w..i+w, r random blocks and the first g (global) tokens, which themselves attend to everything, so a
+layer costs O(n). HST adds one representative R_j per block that reads its block (stage 1, here).
+
+Run:  python sparse.py                     # draws the attention patterns (text + docs/*.png)
+      python -m pytest tests/test_sparse.py -q
+
+Layout. Every query block gathers its keys once, in this order (K columns in all):
+    [ window blocks i-w .. i+w | r random blocks | g global tokens | (HST only) R_i ]
+    (2w+1)*b              r*b               g                  1
+  - window blocks that fall off either end are zero blocks, masked;
+  - a global token is attended through its global column only: wherever it also lies in a window or
+    random block it is masked there, so no key is counted twice (SPEC 2.1);
+  - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
+    the block layout are masked and replaced.
+  No n x n tensor is ever built.
+"""
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Random blocks (SPEC 2.1)
+
+def random_blocks(num_blocks, *, window=1, num_random=0, num_heads=1, generator=None, device=None):
+    """Draw `num_random` key blocks per (head, query block), uniformly among the blocks outside the window.
+
+    Returns (idx, ok): idx long [H, m, r], ok bool [H, m, r]. The draw is shared by every batch element
+    (one draw per layer call, head and query block, like BigBird). Clamping: r = min(num_random, the most
+    non-window blocks any query block has); a query block with fewer non-window blocks than r gets window
+    blocks in its surplus slots and those slots have ok = False (masked). num_random = 0 draws nothing and
+    leaves the generator untouched. Used by both the kernel and dense_mask, so the same generator state
+    gives the same pattern.
+    """
+    m, w, H = num_blocks, window, num_heads
+    r = min(num_random, max(m - min(w + 1, m), 0))
+    if r == 0:
+        idx = torch.zeros(H, m, 0, dtype=torch.long, device=device)
+        return idx, idx.bool()
+    draw_device = generator.device if generator is not None else device
+    blk = torch.arange(m, device=draw_device)
+    in_window = (blk[:, None] - blk[None, :]).abs() <= w                    # [m, m]
+    u = torch.rand(H, m, m, generator=generator, device=draw_device)        # [H, m, m] uniform keys
+    u = u.masked_fill(in_window, 2.0)                                       # window blocks sort last
+    idx = u.argsort(dim=-1)[..., :r]                                        # [H, m, r] r smallest = uniform
+    ok = ~in_window.expand(H, m, m).gather(-1, idx)                         # [H, m, r]
+    return idx.to(device), ok.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The gather: one query block's keys, [window | random | global | extra], as token indices
+
+def key_index(n, *, block_size, window, num_global, rand_idx, rand_ok, with_reps=False):
+    """Token index of every key of every query block, and whether the pattern allows it (before padding).
+
+    Returns kidx long [H, m, K] (positions in [X] or [X; R]) and kin bool [H, m, K], K = (2w + 1 + r) b + g
+    (+ 1 with representatives). Window blocks off either end are clamped (kin False); a global token inside a
+    window or random block has kin False there, it is attended through its global column (SPEC 2.1: never
+    counted twice)."""
+    b, w, g = block_size, window, num_global
+    m = n // b
+    H, r = rand_idx.shape[0], rand_idx.shape[-1]
+    dev = rand_idx.device
+    i = torch.arange(m, device=dev)
+    blk = i[:, None] + torch.arange(-w, w + 1, device=dev)[None, :]                 # [m, 2w + 1] window
+    blk_in = (blk >= 0) & (blk < m)
+    blk = torch.cat([blk.clamp(0, m - 1).expand(H, m, 2 * w + 1), rand_idx], dim=-1)  # [H, m, 2w + 1 + r]
+    blk_in = torch.cat([blk_in.expand(H, m, 2 * w + 1), rand_ok], dim=-1)
+    tok = blk[..., None] * b + torch.arange(b, device=dev)                           # [H, m, 2w + 1 + r, b]
+    tok_in = blk_in[..., None] & (tok >= g)
+    kidx, kin = [tok.flatten(2)], [tok_in.flatten(2)]
+    if g > 0:                                                                         # global columns
+        kidx.append(torch.arange(g, device=dev).expand(H, m, g))
+        kin.append(torch.ones(H, m, g, dtype=torch.bool, device=dev))
+    if with_reps:                                                                     # R_i column (SPEC 2.2)
+        kidx.append((n + i).view(1, m, 1).expand(H, m, 1))
+        kin.append(torch.ones(H, m, 1, dtype=torch.bool, device=dev))
+    return torch.cat(kidx, dim=-1), torch.cat(kin, dim=-1)
+
+
+def gather_keys(c, kidx):
+    """c [B, H, L, e], kidx [H, m, K] -> [B, H, m, K, e]. One index_select (backward: one index_add_);
+    used for k, v and pair_scores alike."""
+    B, H, L, e = c.shape
+    flat = (kidx + torch.arange(H, device=c.device)[:, None, None] * L).view(-1)   # [H m K] into H * L
+    return c.reshape(B, H * L, e).index_select(1, flat).view(B, H, *kidx.shape[1:], e)
+
+
+def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores):
+    """softmax(q k^T / sqrt(d_h) masked by valid) v, any leading layout. q [.., Q, d], k/v [.., K, d]."""
+    s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))   # [.., Q, K]  SPEC 1
+    A = s.masked_fill(~valid, torch.finfo(s.dtype).min).softmax(dim=-1)          # finite fill: no NaN
+    if drop_fn is not None:
+        A = drop_fn(A.masked_fill(~valid, 0.0), valid, pair_scores)  # AttendOut hook (CONTRACT), own layout
+    elif dropout_p > 0:
+        A = F.dropout(A, dropout_p, training=True)
+    out = torch.matmul(A, v)                                                     # [.., Q, d]
+    # a row with no valid key softmaxes to a uniform mean over masked keys: give 0 instead
+    return out.masked_fill(~valid.any(dim=-1, keepdim=True), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+
+def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_global, num_random, generator,
+            dropout_p, drop_fn):
+    """Shared body of block_sparse_attention (with_reps=False, L = n) and hst_attention (L = n + m)."""
+    B, H, L, d = q.shape
+    b, w = block_size, window
+    n = L * b // (b + 1) if with_reps else L
+    m = n // b
+    assert n % b == 0 and L == (n + m if with_reps else n), f"length {L} does not fit block size {b}"
+    g = min(num_global, n)
+    dev = q.device
+    real = (torch.ones(B, n, dtype=torch.bool, device=dev) if attention_mask is None
+            else attention_mask.to(device=dev).bool())                              # [B, n]
+    if with_reps:  # R_j is a valid key iff block j has a real token
+        real = torch.cat([real, real.view(B, m, b).any(-1)], dim=1)                # [B, n + m]
+    rand_idx, rand_ok = random_blocks(m, window=w, num_random=num_random, num_heads=H, generator=generator,
+                                      device=dev)                                   # [H, m, r]
+    kidx, kin = key_index(n, block_size=b, window=w, num_global=g, rand_idx=rand_idx, rand_ok=rand_ok,
+                          with_reps=with_reps)                                      # [H, m, K]
+    K = kidx.shape[-1]
+
+    def queries(a):                                  # [B, H, L, e] -> [B, H, m, bq, e], R_j is row b (HST)
+        ab = a[:, :, :n].reshape(B, H, m, b, a.shape[-1])
+        return torch.cat([ab, a[:, :, n:, None]], dim=3) if with_reps else ab
+
+    # query side: global query rows are done densely below; R_j reads only block j, the globals and R_j
+    bq = b + 1 if with_reps else b
+    row_ok = torch.ones(m, bq, K, dtype=torch.bool, device=dev)                    # [m, bq, K]
+    row_ok[:, :b] &= (torch.arange(n, device=dev) >= g).view(m, b, 1)
+    if with_reps:
+        s_glob = (2 * w + 1 + rand_idx.shape[-1]) * b                               # first global column
+        row_ok[:, b, :] = False
+        row_ok[:, b, w * b:(w + 1) * b] = True                                     # tokens of block j
+        row_ok[:, b, s_glob:] = True                                                # globals and R_j
+    valid = (kin & real[:, kidx])[:, :, :, None, :] & row_ok                       # [B, H, m, bq, K]
+
+    def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
+        return torch.matmul(queries(a), gather_keys(c, kidx).transpose(-1, -2))
+
+    out = _attend(queries(q), gather_keys(k, kidx), gather_keys(v, kidx), valid, dropout_p, drop_fn,
+                  pair_local)                                                       # [B, H, m, bq, d]
+    tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
+    if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
+        def pair_global(a, c):                       # [B, H, g, L]
+            return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
+
+        out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
+        tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                     # [B, H, n, d]
+    if not with_reps:
+        return tok_out
+    return torch.cat([tok_out, out[:, :, :, b]], dim=2)                             # [B, H, n + m, d]
+
+
+def block_sparse_attention(q, k, v, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0,
+                           generator=None, dropout_p=0.0, drop_fn=None):
+    """SPEC 2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size.
+    drop_fn (CONTRACT) is called twice: on the block layout A [B, H, m, b, K] and on the global rows
+    [B, H, g, n]. Returns [B, H, n, d_h]."""
+    return _stage1(q, k, v, attention_mask, with_reps=False, block_size=block_size, window=window,
+                   num_global=num_global, num_random=num_random, generator=generator, dropout_p=dropout_p,
+                   drop_fn=drop_fn)
+
+
+def hst_attention(q, k, v, attention_mask, *, block_size, window=1, num_global=1, num_random=0,
+                  generator=None, dropout_p=0.0, drop_fn=None):
+    """SPEC 2.2 stage 1 (reconstructed). q, k, v [B, H, n + m, d_h]: n tokens then m representatives.
+    Token in block j: its 2.1 neighbourhood + R_j; global token: all tokens and representatives;
+    R_j: the tokens of block j, the global tokens and R_j. R_j is valid (as a key) iff block j has a real
+    token. The block layout is [B, H, m, b + 1, K + 1]: R_j is query row b and key column K of block j.
+    Returns [B, H, n + m, d_h]."""
+    return _stage1(q, k, v, attention_mask, with_reps=True, block_size=block_size, window=window,
+                   num_global=num_global, num_random=num_random, generator=generator, dropout_p=dropout_p,
+                   drop_fn=drop_fn)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Equivalent dense masks (teaching and tests only: these ARE n x n)
+
+def mask_parts(n, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0, generator=None,
+               num_heads=1, batch_size=1):
+    """The pieces of the 2.1 pattern: window [n, n], glob [n, n], rand [H, n, n], real [B, n] (bool)."""
+    b, m = block_size, n // block_size
+    g = min(num_global, n)
+    real = (torch.ones(batch_size, n, dtype=torch.bool) if attention_mask is None
+            else attention_mask.bool().cpu())
+    blk = torch.arange(n) // b                                                      # [n] block of a token
+    window_m = (blk[:, None] - blk[None, :]).abs() <= window                        # [n, n]
+    pos = torch.arange(n)
+    glob = (pos[:, None] < g) | (pos[None, :] < g)                                  # [n, n]
+    idx, ok = random_blocks(m, window=window, num_random=num_random, num_heads=num_heads,
+                            generator=generator)                                    # [H, m, r]
+    rand_blk = torch.zeros(num_heads, m, m, dtype=torch.bool).scatter_(-1, idx.cpu(), ok.cpu())
+    rand = rand_blk[:, blk][:, :, blk]                                              # [H, n, n]
+    return window_m, glob, rand, real
+
+
+def dense_mask(n, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0, generator=None,
+               num_heads=1, batch_size=1):
+    """bool [B, H, n, n], True = query i may attend key j; the same random draw as the kernel."""
+    win, glob, rand, real = mask_parts(n, attention_mask, block_size=block_size, window=window,
+                                       num_global=num_global, num_random=num_random, generator=generator,
+                                       num_heads=num_heads, batch_size=batch_size)
+    return (win | glob | rand)[None] & real[:, None, None, :]                      # padding keys masked
+
+
+def hst_dense_mask(n, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0,
+                   generator=None, num_heads=1, batch_size=1):
+    """bool [B, H, n + m, n + m] for [X; R] (n tokens, m representatives), HST stage 1 (SPEC 2.2)."""
+    tok = dense_mask(n, attention_mask, block_size=block_size, window=window, num_global=num_global,
+                     num_random=num_random, generator=generator, num_heads=num_heads, batch_size=batch_size)
+    B, H = tok.shape[:2]
+    b, m = block_size, n // block_size
+    real = (torch.ones(B, n, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu())
+    rep_ok = real.view(B, m, b).any(-1)                                             # [B, m]
+    own = (torch.arange(n) // b)[:, None] == torch.arange(m)[None, :]               # [n, m] token in block
+    is_glob = torch.arange(n) < min(num_global, n)                                  # [n]
+    full = torch.zeros(B, H, n + m, n + m, dtype=torch.bool)
+    full[:, :, :n, :n] = tok
+    full[:, :, :n, n:] = ((own | is_glob[:, None])[None] & rep_ok[:, None, :])[:, None]     # tokens -> R
+    full[:, :, n:, :n] = ((own.T | is_glob[None, :])[None] & real[:, None, :])[:, None]     # R_j -> tokens
+    full[:, :, n:, n:] = (torch.eye(m, dtype=torch.bool)[None] & rep_ok[:, None, :])[:, None]  # R_j -> R_j
+    return full
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI: draw the patterns
+
+CHARS = ".#grR"   # 0 nothing, 1 window, 2 global, 3 random, 4 representative
+
+
+def pattern_codes(n, *, block_size, window, num_global, num_random, seed, hst=False):
+    """int [L, L] with codes indexing CHARS, head 0 of batch 0, no padding."""
+    kw = dict(block_size=block_size, window=window, num_global=num_global, num_random=num_random)
+    win, glob, rand, _ = mask_parts(n, generator=torch.Generator().manual_seed(seed), **kw)
+    codes = torch.zeros(n, n, dtype=torch.long)
+    codes[rand[0]] = 3
+    codes[win] = 1
+    codes[glob] = 2
+    if not hst:
+        return codes
+    allowed = hst_dense_mask(n, generator=torch.Generator().manual_seed(seed), **kw)[0, 0]
+    full = torch.where(allowed, 4, 0)                   # R everywhere a representative is involved ...
+    full[:n, :n] = codes
+    is_glob = (torch.arange(n) < num_global)[None, :]
+    full[n:, :n] = torch.where(allowed[n:, :n], torch.where(is_glob, 2, 1), 0)  # ... but R_j's tokens
+    return full
+
+
+def draw_text(codes, n):
+    rows = []
+    for i, row in enumerate(codes.tolist()):
+        if i == n:
+            rows.append("-" * (len(row) + 1))
+        line = "".join(CHARS[c] for c in row[:n])
+        rows.append(line if len(row) == n else line + "|" + "".join(CHARS[c] for c in row[n:]))
+    return "\n".join(rows)
+
+
+def save_png(codes, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+    except ImportError:
+        return False
+    cmap = ListedColormap(["white", "tab:blue", "tab:orange", "tab:green", "tab:red"])
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.imshow(codes.numpy(), cmap=cmap, vmin=0, vmax=4, interpolation="nearest")
+    ax.set_title(title)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def main():
+    p = argparse.ArgumentParser(description="Draw the block-sparse and HST attention patterns (SPEC 2.1, 2.2).")
+    p.add_argument("--n", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--window", type=int, default=1)
+    p.add_argument("--num-global", type=int, default=2)
+    p.add_argument("--num-random", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="docs")
+    a = p.parse_args()
+    kw = dict(block_size=a.block_size, window=a.window, num_global=a.num_global, num_random=a.num_random,
+              seed=a.seed)
+    sparse = pattern_codes(a.n, **kw)
+    hst = pattern_codes(a.n, hst=True, **kw)
+    print(f"block-sparse, n={a.n} b={a.block_size} w={a.window} g={a.num_global} r={a.num_random} "
+          f"(rows = queries; # window, g global, r random)")
+    print(draw_text(sparse, a.n))
+    print(f"\nHST stage 1 over [X; R] (R = representatives after the bars)")
+    print(draw_text(hst, a.n))
+    os.makedirs(a.out_dir, exist_ok=True)
+    figs = [(torch.ones(a.n, a.n, dtype=torch.long), "attention_dense.png", "dense"),
+            (sparse, "attention_sparse.png", "block-sparse (SPEC 2.1)"),
+            (hst, "attention_hst.png", "HST stage 1 over [X; R] (SPEC 2.2)")]
+    for codes, name, title in figs:
+        path = os.path.join(a.out_dir, name)
+        if save_png(codes, path, title):
+            print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

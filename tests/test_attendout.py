@@ -1,0 +1,250 @@
+"""
+Tests for attendout.py (SPEC 3): AttendOut's G-Net hook, gradient reversal, budget, scheduled dropout.
+
+Uses a small self-contained dense attention (below), not model.py, so it runs on its own.
+Run: python -m pytest tests/test_attendout.py -q
+"""
+
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import attendout as ao  # noqa: E402
+
+B, L, H, DH = 2, 8, 2, 4
+D = H * DH
+
+
+def make_config(**kw):
+    cfg = dict(attn_dropout="attendout", attn_dropout_p=0.1, num_heads=H, hidden_size=D, gnet_dim=4,
+               gnet_tau=0.5, gnet_budget=None, gnet_lambda=1.0, schedule="", num_layers=3)
+    cfg.update(kw)
+    return types.SimpleNamespace(**cfg)
+
+
+def attn(q, k, v, mask, mod, x, training, t=0.0):
+    """Dense reference kernel using the contract's hook. q,k,v [B, H, L, d_h]; mask [B, L] (1 = real)."""
+    valid = mask.bool()[:, None, None, :]                                  # [B, 1, 1, L]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])                   # [B, H, L, L]
+    s = s.masked_fill(~valid, torch.finfo(s.dtype).min)
+    A = s.softmax(-1)
+    if training and mod.needs_hook:
+        A = mod.hook(x)(A, valid, lambda a, c: a @ c.transpose(-1, -2))
+    elif training:
+        A = F.dropout(A, mod.rate(t))
+    return A @ v
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, L, D, generator=g)
+    q, k, v = (torch.randn(B, H, L, DH, generator=g) for _ in range(3))
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, 5:] = 0  # padding in the second sequence
+    return x, q, k, v, mask
+
+
+def test_eval_equals_plain_attention():
+    x, q, k, v, mask = inputs()
+    mod = ao.make_attn_dropout(make_config(), 0).eval()
+    assert not mod.needs_hook
+    plain = attn(q, k, v, mask, ao.AttnDropout(0.0), x, training=False)
+    assert torch.equal(attn(q, k, v, mask, mod, x, training=False), plain)
+    # standard dropout modules: also identity in eval
+    assert torch.equal(attn(q, k, v, mask, ao.make_attn_dropout(make_config(attn_dropout="standard"), 0),
+                            x, training=False), plain)
+
+
+def test_training_forwards_differ():
+    x, q, k, v, mask = inputs()
+    mod = ao.make_attn_dropout(make_config(attn_dropout_p=0.3), 0).train()
+    assert mod.needs_hook and mod.rate(0.5) == 0.0
+    assert not torch.equal(attn(q, k, v, mask, mod, x, True), attn(q, k, v, mask, mod, x, True))
+
+
+def test_mask_binary_and_padding_zero():
+    x, q, k, v, mask = inputs()
+    mod = ao.make_attn_dropout(make_config(attn_dropout_p=0.3), 0).train()
+    valid = mask.bool()[:, None, None, :]
+    s = (q @ k.transpose(-1, -2) / math.sqrt(DH)).masked_fill(~valid, torch.finfo(q.dtype).min)
+    A = s.softmax(-1)
+    a, c = mod.gnet.features(x)
+    pi = torch.sigmoid(a @ c.transpose(-1, -2))
+    A2 = mod.hook(x)(A, valid, lambda a, c: a @ c.transpose(-1, -2))
+    validx = valid.expand_as(A)
+    kmask = (A2 / A * (1 - pi))[validx]
+    assert torch.all((kmask.abs() < 1e-6) | ((kmask - 1).abs() < 1e-6))
+    assert 0 < (kmask > 0.5).float().mean() < 1           # some kept, some dropped
+    assert torch.all(A2[~validx] == 0)                      # padding keys stay exactly 0
+    assert torch.isfinite(A2).all()
+
+
+def test_fused_drop_matches_plain_formula():
+    # RelaxedDrop must equal SPEC 3.1 written with plain autograd ops, forward and gradients, same u
+    torch.manual_seed(0)
+    A = torch.rand(2, 3, 5, 5).softmax(-1).requires_grad_()
+    Z = torch.randn(2, 3, 5, 5).requires_grad_()
+    g = torch.randn(2, 3, 5, 5)
+    tau = 0.5
+    torch.manual_seed(1)
+    out = ao.RelaxedDrop.apply(A, Z, torch.sigmoid(Z).detach(), tau)
+    dA, dZ = torch.autograd.grad((out * g).sum(), (A, Z))
+    torch.manual_seed(1)
+    u = torch.rand_like(Z).clamp(ao.U_EPS, 1 - ao.U_EPS)
+    k_soft = torch.sigmoid((-Z + torch.log(u) - torch.log(1 - u)) / tau)
+    k_hard = (k_soft > 0.5).float()
+    kk = k_hard + k_soft - k_soft.detach()
+    ref = A * kk / (1 - torch.sigmoid(Z)).detach()
+    rA, rZ = torch.autograd.grad((ref * g).sum(), (A, Z))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dA, rA)
+    torch.testing.assert_close(dZ, rZ)
+
+
+def task_grad_wq(reverse):
+    torch.manual_seed(0)
+    x, q, k, v, mask = inputs()
+    mod = ao.make_attn_dropout(make_config(attn_dropout_p=0.3), 0).train()
+    mod.reverse = reverse
+    torch.manual_seed(123)  # same u in both runs
+    out = attn(q, k, v, mask, mod, x, True)
+    (out ** 2).sum().backward()
+    hd = H * mod.gnet.gnet_dim
+    return mod.gnet.qk.weight.grad[:hd].clone(), mod  # rows [0, H*d_g) are W_q
+
+
+def test_gradient_reversal_and_straight_through():
+    g_rev, mod = task_grad_wq(True)
+    g_fwd, _ = task_grad_wq(False)
+    assert g_rev.abs().sum() > 0                          # straight-through: G-Net receives a gradient
+    assert mod.gnet.beta.grad is not None and mod.gnet.beta.grad != 0
+    torch.testing.assert_close(g_rev, -g_fwd)
+
+
+def test_budget_init_and_training():
+    torch.manual_seed(0)
+    x, q, k, v, mask = inputs()
+    cfg = make_config(attn_dropout_p=0.1, gnet_budget=0.3, gnet_lambda=100.0)
+    mods = [ao.make_attn_dropout(cfg, l).train() for l in range(cfg.num_layers)]
+    for m in mods:
+        attn(q, k, v, mask, m, x, True)
+    rates = ao.drop_rates(mods)
+    assert len(rates) == 3 and all(abs(r - 0.1) < 0.02 for r in rates)   # pi ~ p0 at init
+    # the statistics count exactly the valid pairs: B*H*L*(real keys) = 2*2*8*(8+5)
+    assert mods[0].pi_count.item() == H * L * (8 + 5)
+    opt = torch.optim.Adam([p for m in mods for p in m.parameters()], lr=0.05)
+    for _ in range(40):
+        for m in mods:
+            attn(q, k, v, mask, m, x, True)
+        loss = ao.budget_loss(mods)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for m in mods:
+        attn(q, k, v, mask, m, x, True)
+    assert abs(sum(ao.drop_rates(mods)) / 3 - 0.3) < 0.02
+    assert ao.budget_loss(mods).item() < 1e-2
+    assert ao.budget_loss(mods).item() == 0.0  # statistics consumed: nothing left to regularise
+
+
+def test_budget_no_reversal_sign():
+    # budget pushes mean pi toward rho: with rho > pi the gradient on beta must be negative (beta grows)
+    x, q, k, v, mask = inputs()
+    m = ao.make_attn_dropout(make_config(gnet_budget=0.5), 0).train()
+    attn(q, k, v, mask, m, x, True)
+    ao.budget_loss([m]).backward()
+    assert m.gnet.beta.grad < 0
+
+
+def test_zero_p0_is_guarded():
+    m = ao.make_attn_dropout(make_config(attn_dropout_p=0.0), 0)
+    assert math.isfinite(m.gnet.beta.item())
+    assert abs(torch.sigmoid(m.gnet.beta).item() - ao.P0_MIN) < 1e-6
+
+
+def test_scheduled_linear():
+    cfg = make_config(attn_dropout="scheduled", schedule="linear:0.1:0.5", num_layers=5)
+    mods = [ao.make_attn_dropout(cfg, l) for l in range(5)]
+    assert mods[0].rate(0.0) == pytest.approx(0.1) and mods[-1].rate(0.7) == pytest.approx(0.5)
+    assert mods[2].rate(0.3) == pytest.approx(0.3)
+    assert not mods[0].needs_hook
+    one = ao.make_attn_dropout(make_config(attn_dropout="scheduled", schedule="linear:0.1:0.5", num_layers=1), 0)
+    assert one.rate(0.5) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="linear:P_LOW:P_HIGH"):
+        ao.make_attn_dropout(make_config(attn_dropout="scheduled", schedule="linear:0.1"), 0)
+
+
+def test_scheduled_replay(tmp_path):
+    path = str(tmp_path / "droprates.jsonl")
+    log = ao.DropRateLogger(path, log_interval=10)
+    fake = {0: [0.1, 0.2, 0.3], 10: [0.5, 0.4, 0.3], 20: [0.9, 0.0, 0.3]}
+    for step in range(21):
+        log.log(step, step / 20, fake.get(step, [7.0, 7.0, 7.0]))  # only steps 0, 10, 20 are written
+    lines = [json.loads(s) for s in open(path)]
+    assert [r["step"] for r in lines] == [0, 10, 20] and lines[1]["step_frac"] == 0.5
+    cfg = make_config(attn_dropout="scheduled", schedule=path, num_layers=3)
+    mods = [ao.make_attn_dropout(cfg, l) for l in range(3)]
+    for step, rates in fake.items():
+        assert [m.rate(step / 20) for m in mods] == pytest.approx(rates)
+    assert mods[0].rate(0.25) == pytest.approx(0.3)    # halfway between 0.1 and 0.5
+    assert mods[1].rate(0.75) == pytest.approx(0.2)
+    assert mods[0].rate(-1.0) == pytest.approx(0.1) and mods[0].rate(2.0) == pytest.approx(0.9)  # clamped
+    # without step_frac: step / last step
+    path2 = tmp_path / "nofrac.jsonl"
+    path2.write_text('{"step": 0, "drop_rate": [0.0]}\n{"step": 100, "drop_rate": [1.0]}\n')
+    m = ao.make_attn_dropout(make_config(attn_dropout="scheduled", schedule=str(path2), num_layers=1), 0)
+    assert m.rate(0.25) == pytest.approx(0.25)
+
+
+def test_scheduled_parse_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0, "drop_rate": [0.1, 0.2, 0.3]}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2"):
+        ao.make_attn_dropout(make_config(attn_dropout="scheduled", schedule=str(bad)), 0)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"step": 0, "drop_rate": [0.1]}\n')
+    with pytest.raises(ValueError, match=r"short\.jsonl, line 1.*3 layers"):
+        ao.make_attn_dropout(make_config(attn_dropout="scheduled", schedule=str(short)), 0)
+    with pytest.raises(ValueError, match="--schedule"):
+        ao.make_attn_dropout(make_config(attn_dropout="scheduled", schedule=""), 0)
+
+
+def test_logger_reads_modules(tmp_path):
+    x, q, k, v, mask = inputs()
+    mods = [ao.make_attn_dropout(make_config(), l).train() for l in range(3)]
+    for m in mods:
+        attn(q, k, v, mask, m, x, True)
+    path = str(tmp_path / "droprates.jsonl")
+    ao.DropRateLogger(path, 1).log(5, 0.5, mods)
+    rec = json.loads(open(path).read())
+    assert rec["step"] == 5 and rec["drop_rate"] == pytest.approx(ao.drop_rates(mods))
+
+
+def test_export_without_gnet():
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(D, D)
+    model.layers = torch.nn.ModuleList(ao.make_attn_dropout(make_config(), l) for l in range(2))
+    sd = model.state_dict()
+    out = ao.export_without_gnet(sd)
+    gnet_keys = {k for k in sd if ".gnet." in k}
+    assert gnet_keys == {f"layers.{i}.gnet.{p}" for i in range(2) for p in ("qk.weight", "qk.bias", "beta")}
+    assert set(out) == set(sd) - gnet_keys
+    assert all(out[k] is sd[k] for k in out)
+
+
+def test_standard_none_rates():
+    assert ao.make_attn_dropout(make_config(attn_dropout="standard", attn_dropout_p=0.2), 0).rate(0.3) == 0.2
+    m = ao.make_attn_dropout(make_config(attn_dropout="none"), 0)
+    assert m.rate(0.3) == 0.0 and not m.needs_hook
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="--attn-dropout.*standard.*none.*attendout.*scheduled"):
+        ao.make_attn_dropout(make_config(attn_dropout="gaussian"), 0)

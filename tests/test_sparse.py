@@ -1,0 +1,204 @@
+"""Tests for sparse.py: the block-sparse and HST kernels equal dense masked attention under their masks.
+
+Run: python -m pytest tests/test_sparse.py -q
+"""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from sparse import block_sparse_attention, dense_mask, hst_attention, hst_dense_mask, random_blocks  # noqa: E402
+
+TOL = 1e-9
+
+
+def masked_attention(q, k, v, mask):
+    """Reference: softmax(q k^T / sqrt(d) + mask) v, [B, H, L, L] bool mask; rows with no key -> 0."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~mask, float("-inf"))
+    A = torch.nan_to_num(s.softmax(-1), nan=0.0)
+    return A @ v
+
+
+def qkv(B, H, L, d=8, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, L, d, generator=g, dtype=torch.float64, requires_grad=grad) for _ in range(3)]
+
+
+def padding(n, b):
+    """Right-padded rows: full, last block all padding, about half, two tokens."""
+    lengths = [n, n - b, n // 2 - 1, 2]
+    return (torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]).long()  # [4, n]
+
+
+@pytest.mark.parametrize("n", [16, 32, 48])
+@pytest.mark.parametrize("b", [4, 8])
+@pytest.mark.parametrize("w", [0, 1, 2])
+@pytest.mark.parametrize("g", [0, 1, 3])
+def test_block_sparse_equals_dense(n, b, w, g):
+    am = padding(n, b)
+    q, k, v = qkv(am.shape[0], 2, n, seed=n + b + w + g)
+    kw = dict(block_size=b, window=w, num_global=g)
+    out = block_sparse_attention(q, k, v, am, **kw)
+    ref = masked_attention(q, k, v, dense_mask(n, am, num_heads=2, **kw))
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("n,b,w,g,r", [(32, 4, 1, 1, 1), (32, 4, 1, 2, 2), (48, 8, 0, 3, 2), (16, 4, 1, 1, 2),
+                                       (64, 4, 2, 0, 3)])
+def test_block_sparse_random_equals_dense(n, b, w, g, r):
+    am = padding(n, b)
+    H = 3
+    q, k, v = qkv(am.shape[0], H, n, seed=1)
+    kw = dict(block_size=b, window=w, num_global=g, num_random=r)
+    gen = torch.Generator().manual_seed(123)
+    gen2 = torch.Generator().manual_seed(123)
+    out = block_sparse_attention(q, k, v, am, generator=gen, **kw)
+    mask = dense_mask(n, am, num_heads=H, generator=gen2, **kw)
+    torch.testing.assert_close(out, masked_attention(q, k, v, mask), atol=TOL, rtol=0)
+    # the generator moved on: a second draw is a different pattern (for r > 0 and enough blocks)
+    if n // b - (2 * w + 1) > r:
+        assert not torch.equal(mask, dense_mask(n, am, num_heads=H, generator=gen2, **kw))
+
+
+def test_random_blocks_outside_window_and_clamped():
+    m, w = 6, 1
+    idx, ok = random_blocks(m, window=w, num_random=10, num_heads=4, generator=torch.Generator().manual_seed(0))
+    assert idx.shape == (4, m, m - 2)                     # edge blocks have m - 2 non-window blocks
+    i = torch.arange(m)[None, :, None]
+    assert torch.equal(ok, (idx - i).abs() > w)           # slots beyond what a block has are masked
+    for h in range(4):                                    # every non-window block picked exactly once
+        for qb in range(m):
+            picked = sorted(idx[h, qb][ok[h, qb]].tolist())
+            assert picked == [j for j in range(m) if abs(j - qb) > w]
+
+
+def test_dense_mask_by_hand():
+    # n=8, b=2, w=1, g=1: blocks {0,1} {2,3} {4,5} {6,7}; token 0 global
+    M = dense_mask(8, block_size=2, window=1, num_global=1)[0, 0].int()
+    expect = torch.tensor([
+        [1, 1, 1, 1, 1, 1, 1, 1],   # global row
+        [1, 1, 1, 1, 0, 0, 0, 0],   # block 0: blocks 0, 1
+        [1, 1, 1, 1, 1, 1, 0, 0],   # block 1: blocks 0, 1, 2
+        [1, 1, 1, 1, 1, 1, 0, 0],
+        [1, 0, 1, 1, 1, 1, 1, 1],   # block 2: global + blocks 1, 2, 3
+        [1, 0, 1, 1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 1, 1, 1, 1],   # block 3: global + blocks 2, 3
+        [1, 0, 0, 0, 1, 1, 1, 1],
+    ])
+    assert torch.equal(M, expect)
+    # padding masks keys only
+    M = dense_mask(8, torch.tensor([[1] * 5 + [0] * 3]), block_size=2, window=1, num_global=1)[0, 0]
+    assert not M[:, 5:].any() and M[:, :5].sum() == expect[:, :5].sum()
+
+
+def test_hst_dense_mask_by_hand():
+    # n=4, b=2, w=0, g=1: [t0 t1 t2 t3 R0 R1]
+    M = hst_dense_mask(4, block_size=2, window=0, num_global=1)[0, 0].int()
+    expect = torch.tensor([
+        [1, 1, 1, 1, 1, 1],   # global token: everything
+        [1, 1, 0, 0, 1, 0],   # t1: block 0 + R0
+        [1, 0, 1, 1, 0, 1],   # t2: global + block 1 + R1
+        [1, 0, 1, 1, 0, 1],
+        [1, 1, 0, 0, 1, 0],   # R0: block 0 (holds the global) + R0
+        [1, 0, 1, 1, 0, 1],   # R1: global + block 1 + R1
+    ])
+    assert torch.equal(M, expect)
+
+
+@pytest.mark.parametrize("n,b,w,g,r", [(16, 4, 1, 1, 0), (32, 4, 1, 2, 1), (48, 8, 0, 3, 2), (32, 8, 2, 0, 0),
+                                       (32, 4, 0, 5, 2)])
+def test_hst_equals_dense(n, b, w, g, r):
+    am = padding(n, b)
+    H, m = 2, n // b
+    q, k, v = qkv(am.shape[0], H, n + m, seed=2)
+    kw = dict(block_size=b, window=w, num_global=g, num_random=r)
+    out = hst_attention(q, k, v, am, generator=torch.Generator().manual_seed(7), **kw)
+    mask = hst_dense_mask(n, am, num_heads=H, generator=torch.Generator().manual_seed(7), **kw)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out, masked_attention(q, k, v, mask), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("hst", [False, True])
+def test_drop_fn_hook(hst):
+    n, b, H, d = 32, 4, 2, 8
+    m = n // b
+    am = padding(n, b)
+    L = n + m if hst else n
+    q, k, v = qkv(am.shape[0], H, L, d=d, seed=3)
+    kernel = hst_attention if hst else block_sparse_attention
+    kw = dict(block_size=b, window=1, num_global=2, num_random=1)
+    calls = []
+
+    def record(A, valid, pair_scores):
+        s = pair_scores(q, k) / math.sqrt(d)
+        assert s.shape == A.shape and valid.dtype == torch.bool
+        assert torch.broadcast_shapes(valid.shape, A.shape) == A.shape
+        e = pair_scores(q[..., :3], torch.ones_like(k[..., :3]))  # any last dim e
+        assert e.shape == A.shape
+        ref = torch.nan_to_num(s.masked_fill(~valid, float("-inf")).softmax(-1), nan=0.0)
+        torch.testing.assert_close(A, ref, atol=TOL, rtol=0)
+        assert (A[~valid.expand_as(A)] == 0).all()
+        calls.append(A.shape)
+        return A
+
+    out = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), drop_fn=record, **kw)
+    ref = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), **kw)
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+    bq, K = (b + 1, 3 * b + b + 2 + 1) if hst else (b, 3 * b + b + 2)
+    assert calls == [(4, H, m, bq, K), (4, H, 2, L)]  # block layout, then the global rows
+
+    zero = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), drop_fn=lambda A, *_: A * 0, **kw)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_plain_dropout_changes_output():
+    q, k, v = qkv(2, 2, 32, seed=4)
+    kw = dict(block_size=4, window=1, num_global=1)
+    torch.manual_seed(0)
+    out = block_sparse_attention(q, k, v, dropout_p=0.5, **kw)
+    assert torch.isfinite(out).all() and not torch.allclose(out, block_sparse_attention(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("hst", [False, True])
+def test_backward(hst):
+    n, b = 32, 4
+    am = padding(n, b)
+    L = n + n // b if hst else n
+    q, k, v = qkv(am.shape[0], 2, L, seed=5, grad=True)
+    kernel = hst_attention if hst else block_sparse_attention
+    kw = dict(block_size=b, window=1, num_global=2, num_random=1)
+    kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), **kw).pow(2).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+    # gradients equal those of the dense reference
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    mk = hst_dense_mask if hst else dense_mask
+    mask = mk(n, am, num_heads=2, generator=torch.Generator().manual_seed(0), **kw)
+    masked_attention(q, k, v, mask).pow(2).sum().backward()
+    for g1, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g1, t.grad, atol=TOL, rtol=0)
+
+
+def test_no_quadratic_tensor(monkeypatch):
+    """Every matmul in the kernel is block-sized: no operand or result with two sides of length n."""
+    n, b = 512, 16
+    q, k, v = (torch.randn(1, 1, n, 8) for _ in range(3))
+    biggest = []
+    real_matmul = torch.matmul
+
+    def spy(x, y):
+        out = real_matmul(x, y)
+        biggest.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    block_sparse_attention(q, k, v, block_size=b, window=1, num_global=1, num_random=2,
+                           generator=torch.Generator().manual_seed(0))
+    assert biggest and max(biggest) <= n * (5 * b + 1) < n * n // 4  # global rows 1 x n; blocks n x (5b + 1)
