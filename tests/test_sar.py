@@ -1,0 +1,108 @@
+"""SAR and R-Drop (SPEC 2.3): the shift, the losses' properties, and sparse / HST models built on the encoder."""
+import pytest
+import torch
+
+import sar
+from model import Config, Model, load_pretrained
+
+
+def tiny(attention="dense", dropout=0.0, **kw):
+    torch.manual_seed(0)
+    cfg = Config(vocab_size=30, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, max_positions=80,
+                 pad_id=1, num_labels=3, attention=attention, block_size=4, hidden_dropout_p=dropout,
+                 attn_dropout_p=dropout, **kw)
+    model = Model(cfg)
+    with torch.no_grad():   # larger than BERT's 0.02 init, so differences between views are not hidden in tiny logits
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 30, (3, 21), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    mask[2, 9:] = 0
+    ids = ids.masked_fill(mask == 0, 1)
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
+            "labels": torch.tensor([0, 2, 1])}
+
+
+def test_shift_inserts_padding_after_first_token():
+    ids = torch.tensor([[5, 6, 7, 1]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    pos = torch.tensor([[2, 3, 4, 1]])
+    s_ids, s_mask, s_pos, s_types = sar.shift(ids, mask, 2, pad_id=1, position_ids=pos)
+    assert s_ids.tolist() == [[5, 1, 1, 6, 7, 1]]
+    assert s_mask.tolist() == [[1, 0, 0, 1, 1, 0]]
+    assert s_pos.tolist() == [[2, 1, 1, 3, 4, 1]]       # content keeps its positions
+    assert s_types is None
+
+
+@pytest.mark.parametrize("style", ["roberta", "bert"])
+def test_dense_shift_gives_same_token_outputs_and_zero_consistency(style):
+    model = tiny("dense", position_style=style).eval()
+    b = batch()
+    pos = model.position_ids(b["input_ids"])
+    ids, mask, spos, types = sar.shift(b["input_ids"], b["attention_mask"], 1, 1, pos, b["token_type_ids"])
+    with torch.no_grad():
+        h = model.encode(b["input_ids"], b["attention_mask"], b["token_type_ids"], pos)
+        hs = model.encode(ids, mask, types, spos)
+    hs = torch.cat([hs[:, :1], hs[:, 2:]], dim=1)          # drop the inserted token
+    real = b["attention_mask"].bool()
+    assert (h - hs)[real].abs().max() < 1e-5
+    model.train()   # no dropout configured: train mode is deterministic too
+    _, _, cons = sar.sar_loss(model, b, 1.0, 1)
+    assert abs(cons.item()) < 1e-6
+
+
+@pytest.mark.parametrize("attention", ["sparse", "hst"])
+def test_sparse_topologies_have_positive_consistency(attention):
+    model = tiny(attention, window=0, num_global=1).train()
+    loss, ce, cons = sar.sar_loss(model, batch(), 1.0, 1)
+    assert cons.item() > 1e-6
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("mlm."))
+
+
+def test_rdrop_consistency_comes_from_dropout_only():
+    b = batch()
+    _, _, cons = sar.rdrop_loss(tiny("sparse", dropout=0.0).train(), b, 1.0)
+    assert abs(cons.item()) < 1e-6
+    _, _, cons = sar.rdrop_loss(tiny("sparse", dropout=0.3).train(), b, 1.0)
+    assert cons.item() > 1e-6
+
+
+def test_consistency_is_symmetric_kl_and_squared_difference():
+    z1, z2 = torch.tensor([[2.0, 0.0, -1.0]]), torch.tensor([[0.5, 0.5, 0.0]])
+    p, q = z1.softmax(-1), z2.softmax(-1)
+    kl = lambda a, b: (a * (a.log() - b.log())).sum()
+    assert torch.allclose(sar.consistency(z1, z2), 0.5 * (kl(p, q) + kl(q, p)))
+    assert torch.allclose(sar.consistency(z1, z2), sar.consistency(z2, z1))
+    assert sar.consistency(z1, z1).item() == 0.0
+    r1, r2 = torch.tensor([[1.0], [3.0]]), torch.tensor([[2.0], [0.0]])
+    assert sar.consistency(r1, r2, regression=True).item() == pytest.approx((1 + 9) / 2)
+    loss, ce, cons = sar.paired_loss(z1, z2, torch.tensor([0]), alpha=2.0)
+    assert torch.allclose(loss, ce + 2.0 * cons)
+
+
+@pytest.mark.parametrize("attention", ["sparse", "hst"])
+def test_converted_checkpoint_runs_sparse_at_four_times_its_positions(tmp_path, attention):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.RobertaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=40, max_position_embeddings=34)   # 32 tokens + offset 2
+    transformers.RobertaForMaskedLM(cfg).save_pretrained(tmp_path / "hf")
+    model = load_pretrained(str(tmp_path / "hf"), attention=attention, block_size=8, max_positions=4 * 34,
+                            num_random=1).eval()
+    n = 4 * 32
+    ids = torch.randint(3, 50, (2, n))
+    ids[1, 100:] = 1
+    with torch.no_grad():
+        h = model.encode(ids, (ids != 1).long())
+        again = model.encode(ids, (ids != 1).long())
+    assert h.shape == (2, n, 32) and torch.isfinite(h).all()
+    assert torch.equal(h, again)          # eval: random blocks from a fixed generator, deterministic
+    # an odd length is padded up to a block multiple inside the model
+    assert model.encode(ids[:, :61]).shape == (2, 61, 32)
