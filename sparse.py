@@ -10,12 +10,14 @@ Run:  python sparse.py                     # draws the attention patterns (text 
 Layout. Every query block gathers its keys once, in this order (K columns in all):
     [ window blocks i-w .. i+w | r random blocks | g global tokens | (HST only) R_i ]
     (2w+1)*b              r*b               g                  1
-  - window blocks that fall off either end are zero blocks, masked;
+  The keys are gathered by token index (key_index, one index_select for k, v and pair_scores).
+  - window blocks that fall off either end are clamped onto an existing block and masked;
   - a global token is attended through its global column only: wherever it also lies in a window or
     random block it is masked there, so no key is counted twice (SPEC 2.1);
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
-  No n x n tensor is ever built.
+  No n x n tensor is ever built. drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST:
+  [B, H, m, b + 1, K + 1]) and then the global rows [B, H, g, L]. Padding masks keys only (as dense).
 """
 import argparse
 import math
@@ -84,25 +86,36 @@ def key_index(n, *, block_size, window, num_global, rand_idx, rand_ok, with_reps
     return torch.cat(kidx, dim=-1), torch.cat(kin, dim=-1)
 
 
-def gather_keys(c, kidx):
-    """c [B, H, L, e], kidx [H, m, K] -> [B, H, m, K, e]. One index_select (backward: one index_add_);
-    used for k, v and pair_scores alike."""
+def flat_index(kidx, L):
+    """kidx [H, m, K] -> long [H m K], positions in a [H L] flattening of heads and sequence."""
+    H = kidx.shape[0]
+    return (kidx + torch.arange(H, device=kidx.device)[:, None, None] * L).reshape(-1)
+
+
+def gather_keys(c, flat, m):
+    """c [B, H, L, e] -> [B, H, m, K, e] by one index_select (backward: one index_add_); flat from
+    flat_index. Used for k, v and pair_scores alike."""
     B, H, L, e = c.shape
-    flat = (kidx + torch.arange(H, device=c.device)[:, None, None] * L).view(-1)   # [H m K] into H * L
-    return c.reshape(B, H * L, e).index_select(1, flat).view(B, H, *kidx.shape[1:], e)
+    return c.reshape(B, H * L, e).index_select(1, flat).view(B, H, m, -1, e)
 
 
 def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores):
     """softmax(q k^T / sqrt(d_h) masked by valid) v, any leading layout. q [.., Q, d], k/v [.., K, d]."""
+    invalid = ~valid
     s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))   # [.., Q, K]  SPEC 1
-    A = s.masked_fill(~valid, torch.finfo(s.dtype).min).softmax(dim=-1)          # finite fill: no NaN
+    # Mask with a finite fill (no NaN), in place and outside autograd: softmax already gives a masked score
+    # zero gradient (its probability is exactly 0), and rows with no valid key are zeroed at the output
+    # below, so their gradient is 0 too. Saves two full passes over the scores in the backward.
+    with torch.no_grad():
+        s.masked_fill_(invalid, torch.finfo(s.dtype).min)
+    A = s.softmax(dim=-1)                                                        # [.., Q, K]
     if drop_fn is not None:
-        A = drop_fn(A.masked_fill(~valid, 0.0), valid, pair_scores)  # AttendOut hook (CONTRACT), own layout
+        A = drop_fn(A.masked_fill(invalid, 0.0), valid, pair_scores)  # AttendOut hook (CONTRACT), own layout
     elif dropout_p > 0:
         A = F.dropout(A, dropout_p, training=True)
     out = torch.matmul(A, v)                                                     # [.., Q, d]
     # a row with no valid key softmaxes to a uniform mean over masked keys: give 0 instead
-    return out.masked_fill(~valid.any(dim=-1, keepdim=True), 0.0)
+    return out.masked_fill(invalid.all(dim=-1, keepdim=True), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,6 +140,7 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
     kidx, kin = key_index(n, block_size=b, window=w, num_global=g, rand_idx=rand_idx, rand_ok=rand_ok,
                           with_reps=with_reps)                                      # [H, m, K]
     K = kidx.shape[-1]
+    flat = flat_index(kidx, L)                                                      # [H m K]
 
     def queries(a):                                  # [B, H, L, e] -> [B, H, m, bq, e], R_j is row b (HST)
         ab = a[:, :, :n].reshape(B, H, m, b, a.shape[-1])
@@ -144,9 +158,9 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
     valid = (kin & real[:, kidx])[:, :, :, None, :] & row_ok                       # [B, H, m, bq, K]
 
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
-        return torch.matmul(queries(a), gather_keys(c, kidx).transpose(-1, -2))
+        return torch.matmul(queries(a), gather_keys(c, flat, m).transpose(-1, -2))
 
-    out = _attend(queries(q), gather_keys(k, kidx), gather_keys(v, kidx), valid, dropout_p, drop_fn,
+    out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
                   pair_local)                                                       # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
     if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
