@@ -23,6 +23,7 @@ Library use: load_tokenizer, load_task, make_batches, mask_tokens, compute_metri
 import argparse
 import csv
 import json
+import math
 import os
 import random
 import sys
@@ -470,6 +471,8 @@ def _labelled_examples(records, tokenizer, max_len, label_index, stats):
                 y = float(label)
             except ValueError:
                 raise DataError(f"{where}: non-numeric score {label!r}") from None
+            if not math.isfinite(y):
+                raise DataError(f"{where}: non-finite score {label!r}")
         elif label in label_index:
             y = label_index[label]
         else:

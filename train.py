@@ -4,6 +4,12 @@ What it is: nanoGPT's train.py for encoders. AdamW (no decay on biases and Layer
 linear decay, gradient clipping and accumulation, bf16 autocast on CUDA (fp32 on the CPU), evaluation with
 the task's official metrics, atomic checkpoints, exact resume, torchrun / DDP.
 
+Exact resume: ckpt_last.pt holds the weights (G-Nets included), AdamW's state, every process's RNG states
+(python, numpy, torch, CUDA), the step and the position in the epoch (the batch order is a function of
+(seed, epoch), data.make_batches). The learning-rate schedule is a pure function of the step (lr_factor), so
+restoring the step restores it. A run killed at any moment (SIGKILL too) and resumed with --resume ends
+bit-identical on the CPU to an uninterrupted one; log lines written after the last checkpoint are dropped.
+
 The ideas it switches on, each by a flag (and the Config field of the same name, model.py):
   --attention sparse|hst            ERNIE-Sparse's block-sparse attention and Hierarchical Sparse Transformer
   --sar ALPHA / --rdrop ALPHA       Self-Attention Regularization (shifted topology) / R-Drop (sar.py)
@@ -13,8 +19,10 @@ How to run it:
   python train.py                                   # the demo: generated ListOps, HST + SAR + AttendOut
   python train.py --init roberta.pt --task cola --data glue/CoLA
   torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
+  python train.py --resume --out out/run          # continue a stopped / killed run
 """
 import argparse
+import io
 import json
 import math
 import os
@@ -22,7 +30,6 @@ import random
 import signal
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 
@@ -30,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import data
@@ -158,6 +166,7 @@ def warn(msg):
 # Distributed (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK), seeding, RNG state for exact resume.
 
 def setup_distributed(args):
+    """(rank, world size, device). One process, or one of torchrun's (NCCL on GPUs, gloo on the CPU)."""
     if "RANK" not in os.environ:
         return 0, 1, resolve_device(args.device)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -167,6 +176,37 @@ def setup_distributed(args):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
+
+
+class DDP(DistributedDataParallel):
+    """DDP that also answers the wrapped Model's attributes (sar.py reads model.cfg and model.position_ids)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+def all_true(flag, device, world):
+    """A bool that every process agrees on: True only if it is True on all of them."""
+    if world == 1:
+        return bool(flag)
+    t = torch.tensor([float(bool(flag))], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def check_replicas(raw, device, world):
+    """End of a torchrun run: DDP keeps the replicas in step, so every process must hold rank 0's weights.
+    Compared through a per-tensor checksum (sum and sum of squares, float64), broadcast from rank 0."""
+    mine = torch.stack([s for p in raw.parameters() for s in (p.detach().double().sum(), p.detach().double().square().sum())])
+    ref = mine.clone()
+    dist.broadcast(ref, 0)
+    if not all_true(torch.equal(mine, ref), device, world):
+        fail(f"process {dist.get_rank()}: the replicas' weights differ after training (DDP out of step)", code=1)
 
 
 def is_main():
@@ -227,25 +267,45 @@ def task_data_dir(args):
     return folder
 
 
-def load_tokenizer(args, data_dir):
+def load_tokenizer(args, data_dir, resume_path=None):
+    """The run's tokenizer: a resumed run's own (stored in ckpt_last.pt), --init's, ListOps', or a SentencePiece
+    model trained on the training texts (rank 0 trains it, the other processes then read the cached file)."""
+    if resume_path is not None:
+        return data.load_tokenizer(resume_path)
     if args.init != "scratch":
         return data.load_tokenizer(args.init)
     if args.task == "listops":
         return data.ListOpsTokenizer()
+    if dist.is_initialized() and not is_main():
+        dist.barrier()
     texts = data.training_texts(args.task, data_dir, text_col=args.text_col, text_pair_col=args.text_pair_col,
                                 label_col=args.label_col, train_file=args.train_file)
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
-    return data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    if dist.is_initialized() and is_main():
+        dist.barrier()
+    return tok
+
+
+def read_init(args):
+    """(Config, state dict) of --init: an HF folder or a .pt checkpoint; anything else is a one-line error."""
+    if not (os.path.isdir(args.init) or os.path.isfile(args.init)):
+        fail(f"--init {args.init}: neither a model folder nor a checkpoint file (nor 'scratch')")
+    try:
+        cfg, state, _, _ = read_checkpoint(args.init)
+    except CheckpointError as e:
+        fail(f"--init: {e}")
+    return cfg, state
 
 
 def method_overrides(args):
     return {f: getattr(args, f) for f in CONFIG_FLAGS if getattr(args, f) is not None}
 
 
-def make_model(args, tok, task):
+def make_model(args, tok, task, init):
     """Model from --init (checkpoint values, then flag overrides) or from scratch (size flags)."""
     overrides = method_overrides(args)
-    if args.init == "scratch":
+    if init is None:
         # BERT-style positions 0..L-1; room for the longest example plus SAR's inserted tokens
         room = args.max_len + max(args.sar_shift, args.eval_shift, 0) + 1
         cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
@@ -253,27 +313,59 @@ def make_model(args, tok, task):
                      layer_norm_eps=1e-12, position_style="bert", num_labels=task.num_labels)
         cfg = apply_overrides(cfg, overrides)
         return Model(cfg)
-    cfg, state, _, _ = read_checkpoint(args.init)
+    cfg, state = init
     cfg = apply_overrides(cfg, {**overrides, "num_labels": task.num_labels})
     return build_model(cfg, state, args.init)
 
 
+def choose_max_len(args, model_cfg):
+    """--max-len, kept within the model's position table (model_cfg None: from scratch, sized from --max-len)."""
+    limit = None if model_cfg is None else model_cfg.max_len
+    if args.max_len is None:
+        args.max_len = 512 if limit is None else min(512, limit)
+    elif limit is not None and args.max_len > limit:
+        warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions extends "
+             f"the position table): using {limit}")
+        args.max_len = limit
+
+
+def check_data(args, task, data_dir):
+    """Truncation (one summary line), empty splits."""
+    if not task.train:
+        fail(f"{args.train_file or data_dir}: no training examples")
+    for split, examples in task.dev.items():
+        if not examples:
+            fail(f"{args.dev_file or data_dir}: the dev split {split!r} has no examples")
+    if not task.dev:
+        warn(f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt")
+    if task.n_truncated and task.num_labels == 0:
+        warn(f"{task.n_truncated} lines were longer than --max-len {args.max_len} and were split into chunks")
+    elif task.n_truncated:
+        if args.no_truncate:
+            fail(f"{task.n_truncated} examples are longer than --max-len {args.max_len} (--no-truncate)")
+        warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were truncated")
+
+
 def check_flags(args, cfg, task):
-    """Contradictory or useless flag combinations: warn (or fail) in one line each."""
-    if (args.sar > 0) and cfg.attention == "dense":
-        warn("--sar with dense attention has no effect: shifting moves no block boundary (the consistency term "
-             "only sees dropout); use --attention sparse or hst")
+    """Contradictory or useless flag combinations: fail, or warn, in one line each (errors first)."""
     if args.sar > 0 and args.rdrop > 0:
         fail("--sar and --rdrop are alternatives; give one")
     if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
         fail("--sar / --rdrop need a classification or regression task, not mlm")
-    if cfg.attention != "dense" and cfg.block_size > args.max_len:
-        warn(f"--block-size {cfg.block_size} is larger than --max-len {args.max_len}: every sequence is one block "
-             "(sparse attention is then dense)")
     if cfg.attn_dropout == "scheduled" and not cfg.schedule:
         fail("--attn-dropout scheduled needs --schedule FILE or linear:P_LOW:P_HIGH")
+    if (args.sar > 0) and cfg.attention == "dense":
+        warn("--sar with dense attention has no effect: shifting moves no block boundary (the consistency term "
+             "only sees dropout); use --attention sparse or hst")
+    longest = max(len(e.ids) for split in [task.train, *task.dev.values()] for e in split)
+    if cfg.attention != "dense" and cfg.block_size > longest:
+        warn(f"--block-size {cfg.block_size} is larger than the longest sequence ({longest} tokens): every sequence "
+             "is one block (sparse attention is then dense)")
     if cfg.attn_dropout != "attendout" and any(f in args.given for f in ("gnet_budget", "gnet_lambda", "gnet_tau", "gnet_dim")):
         warn("--gnet-* flags have no effect without --attn-dropout attendout")
+    model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
+    if args.resume and model_flags:
+        warn(f"--resume continues the run's own model: ignoring --{', --'.join(f.replace('_', '-') for f in model_flags)}")
 
 
 # -----------------------------------------------------------------------------
@@ -382,12 +474,17 @@ def autocast(device):
 # -----------------------------------------------------------------------------
 # Checkpoints.
 
-def save_checkpoint(path, raw, tok, optimizer, state, args):
-    """Atomic write; never writes non-finite weights over a good checkpoint."""
-    if not all(torch.isfinite(p).all() for p in raw.parameters()):
+def weights_finite(raw):
+    return all(bool(torch.isfinite(p).all()) for p in raw.parameters())
+
+
+def save_checkpoint(path, raw, tok, optimizer, state, args, rngs):
+    """Atomic write (model.save_atomic: temporary file, then rename); never writes non-finite weights.
+    rngs: the RNG states of every process, by rank."""
+    if not weights_finite(raw):
         raise FloatingPointError(f"refusing to write {path}: the weights hold NaN/inf")
     save_atomic(checkpoint_dict(raw, data.files_to_tensors(tok.files), train_state=state,
-                                optimizer=optimizer.state_dict(), rng=rng_state(), args=public_args(args)), path)
+                                optimizer=optimizer.state_dict(), rng=rngs, args=public_args(args)), path)
 
 
 def public_args(args):
@@ -411,21 +508,50 @@ def prepare_out(args):
                 os.remove(os.path.join(args.out, f))
 
 
+def trim_log(path, step):
+    """Resume: keep the JSON lines of steps <= the checkpoint's step. A killed run may have logged (or half
+    written) lines after its last checkpoint; the resumed run writes them again."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue                                  # a line cut short by the kill
+            if rec.get("step", 0) <= step:
+                keep.append(json.dumps(rec) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
 # -----------------------------------------------------------------------------
 # The loop.
 
 class StopFlag:
-    """Ctrl-C / SIGTERM: finish the current step, save ckpt_last.pt, exit cleanly. A second Ctrl-C aborts."""
+    """Ctrl-C / SIGTERM: finish the current step, save ckpt_last.pt, exit cleanly. A second Ctrl-C aborts.
+    Under torchrun every process stops at the same step (requested() agrees across processes)."""
 
-    def __init__(self):
-        self.stop = False
-        signal.signal(signal.SIGINT, self.handle)
-        signal.signal(signal.SIGTERM, self.handle)
+    def __init__(self, device, world):
+        self.stop, self.device, self.world = False, device, world
+
+    def __enter__(self):
+        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
 
     def handle(self, signum, frame):
-        if self.stop:
+        if self.stop and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.stop = True
+
+    def requested(self):
+        return not all_true(not self.stop, self.device, self.world)
 
 
 def main(argv=None):
@@ -434,46 +560,48 @@ def main(argv=None):
         run(args)
     except (data.DataError, CheckpointError, ValueError, FloatingPointError) as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}", code=130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run(args):
     rank, world, device = setup_distributed(args)
-    resume_ckpt = None
+    resume_ckpt, resume_path, init = None, None, None
     if args.resume:
-        path = os.path.join(args.out, "ckpt_last.pt")
-        if not os.path.exists(path):
-            fail(f"--resume: {path} does not exist")
-        resume_ckpt = safe_torch_load(path)
-        saved = resume_ckpt["args"]
-        for k, v in saved.items():            # the run's own flags, except those given now
+        resume_path = os.path.join(args.out, "ckpt_last.pt")
+        if not os.path.exists(resume_path):
+            fail(f"--resume: {resume_path} does not exist")
+        resume_ckpt = safe_torch_load(resume_path)
+        for k, v in resume_ckpt["args"].items():      # the run's own flags, except those given now
             if k not in args.given and k not in ("resume", "device"):
                 setattr(args, k, v)
+    elif args.init != "scratch":
+        init = read_init(args)
     prepare_out(args)
     seed_everything(args.seed)
 
     # --- data -----------------------------------------------------------------
     data_dir = task_data_dir(args)
-    tok = load_tokenizer(args, data_dir)
-    if args.max_len is None:
-        args.max_len = 512
-        if args.init != "scratch":
-            args.max_len = min(512, read_checkpoint(args.init)[0].max_len)
+    tok = load_tokenizer(args, data_dir, resume_path)
+    if resume_ckpt is not None:
+        model_cfg = Config(**{k: v for k, v in resume_ckpt["config"].items() if k in {f.name for f in fields(Config)}})
+    else:
+        model_cfg = None if init is None else apply_overrides(init[0], method_overrides(args))
+    choose_max_len(args, model_cfg)
     task = data.load_task(args.task, data_dir, tok, max_len=args.max_len, text_col=args.text_col,
                           text_pair_col=args.text_pair_col, label_col=args.label_col,
                           train_file=args.train_file, dev_file=args.dev_file)
-    if task.n_truncated:
-        if args.no_truncate:
-            fail(f"{task.n_truncated} examples are longer than --max-len {args.max_len} (--no-truncate)")
-        warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were truncated")
-    if not task.train:
-        fail(f"{data_dir}: no training examples")
+    check_data(args, task, data_dir)
 
     # --- model ----------------------------------------------------------------
     if resume_ckpt is not None:
-        cfg = Config(**{k: v for k, v in resume_ckpt["config"].items() if k in {f.name for f in fields(Config)}})
-        raw = build_model(cfg, resume_ckpt["model"], os.path.join(args.out, "ckpt_last.pt"))
+        raw = build_model(model_cfg, resume_ckpt["model"], resume_path)
     else:
-        raw = make_model(args, tok, task)
+        raw = make_model(args, tok, task, init)
+    init = None                             # free the --init state dict
     cfg = raw.cfg
     check_flags(args, cfg, task)
     raw.to(device)
@@ -485,10 +613,11 @@ def run(args):
     if args.compile:
         model = torch.compile(model)
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        # frozen heads have requires_grad False, so only LayerDrop leaves trained parameters without a gradient
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     find_unused_parameters=cfg.layerdrop > 0 or cfg.attn_layerdrop > 0)
     model.train()
+    seed_everything(args.seed + rank)       # nanoGPT: every process draws its own dropout masks
 
     # --- schedule -------------------------------------------------------------
     mult = cfg.block_size if cfg.attention != "dense" else 1
@@ -497,26 +626,39 @@ def run(args):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes ({args.grad_accum} x {world})")
 
     def epoch_batches(epoch):
+        # the epoch's batch order is a function of (seed, epoch): resuming mid-epoch only needs state["micro"]
         bs = data.make_batches(task.train, micro, pad_id=tok.pad_id, seed=args.seed, epoch=epoch, multiple_of=mult)
         return [b for b in bs if b["input_ids"].size(0) >= world]
 
     per_epoch = len(epoch_batches(0)) // args.grad_accum
+    if per_epoch == 0:
+        fail(f"{len(task.train)} training examples make no full step of --batch-size {args.batch_size}")
     total = args.max_steps if args.max_steps > 0 else max(1, int(args.epochs * per_epoch))
     warmup = int(args.warmup * total) if args.warmup < 1 else int(args.warmup)
     optimizer = make_optimizer(raw, args, device)
-    state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "skipped": 0, "wall": 0.0}
+    # dev: the last evaluation's metrics; saved_step: the step of ckpt_last.pt
+    state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "skipped": 0, "wall": 0.0,
+             "dev": {}, "saved_step": None}
     if resume_ckpt is not None:
         optimizer.load_state_dict(resume_ckpt["optimizer"])
         state.update(resume_ckpt["train_state"])
-        set_rng_state(resume_ckpt["rng"])
+        rngs = resume_ckpt["rng"]
+        if len(rngs) != world:
+            warn(f"--resume: the run had {len(rngs)} processes, now {world}: the data split and RNG streams change")
+        set_rng_state(rngs[rank % len(rngs)])
         del resume_ckpt
 
     if is_main():
         print(f"task {args.task}: {len(task.train)} train examples, dev {', '.join(f'{k} {len(v)}' for k, v in task.dev.items())}; "
               f"model {raw.num_params() / 1e6:.2f}M parameters, attention {cfg.attention}, attn-dropout {cfg.attn_dropout}; "
-              f"{total} steps on {device}" + (f" x {world} processes" if world > 1 else ""), flush=True)
-    log_path = os.path.join(args.out, "log.jsonl")
-    gnet_log = DropRateLogger(os.path.join(args.out, "droprates.jsonl"), args.log_every, append=args.resume) \
+              f"{total} steps on {device}" + (f" x {world} processes" if world > 1 else "")
+              + (f"; resuming at step {state['step']}" if args.resume else ""), flush=True)
+    log_path, gnet_path = os.path.join(args.out, "log.jsonl"), os.path.join(args.out, "droprates.jsonl")
+    last_path = os.path.join(args.out, "ckpt_last.pt")
+    if args.resume and is_main():
+        trim_log(log_path, state["step"])
+        trim_log(gnet_path, state["step"])
+    gnet_log = DropRateLogger(gnet_path, args.log_every, append=args.resume) \
         if cfg.attn_dropout == "attendout" and is_main() else None
 
     def log(rec):
@@ -525,33 +667,55 @@ def run(args):
                 f.write(json.dumps(rec) + "\n")
 
     def do_eval(step):
-        metrics = evaluate(raw, task, args, device, tok)
-        if args.eval_shift:
+        """Dev metrics (rank 0), logged; a better main metric writes ckpt_best.pt."""
+        metrics = evaluate(raw, task, args, device, tok) if task.dev else {}
+        if args.eval_shift and task.dev:
             shifted = evaluate(raw, task, args, device, tok, shift_by=args.eval_shift)
             for split, m in shifted.items():
                 metrics[split].update({f"{k}_shifted": v for k, v in m.items()})
+        if not metrics:
+            return metrics
         log({"step": step, "dev": metrics})
+        state["dev"] = metrics
         score = main_metric(metrics, task)
-        if state["best"] is None or score > state["best"]:
+        if (state["best"] is None or score > state["best"]) and weights_finite(raw):
             state["best"], state["best_step"] = score, step
-            save_checkpoint(os.path.join(args.out, "ckpt_best.pt"), raw, tok, optimizer, state, args)
+            save_checkpoint(os.path.join(args.out, "ckpt_best.pt"), raw, tok, optimizer, state, args, [rng_state()])
         return metrics
 
-    stop = StopFlag()
+    def save_last():
+        """ckpt_last.pt, everything --resume needs. Every process calls it: their RNG states are gathered."""
+        if not all_true(weights_finite(raw), device, world):
+            stop_nonfinite(f"non-finite weights after step {state['step']}")
+        state["wall"] = time.time() - t0
+        rngs = [rng_state()]
+        if world > 1:                       # tensors travel as torch.save bytes (all_gather_object pickles)
+            buf, blobs = io.BytesIO(), [None] * world
+            torch.save(rngs[0], buf)
+            dist.all_gather_object(blobs, buf.getvalue())
+            rngs = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
+        if is_main():
+            save_checkpoint(last_path, raw, tok, optimizer, {**state, "saved_step": state["step"]}, args, rngs)
+        state["saved_step"] = state["step"]
+
+    def stop_nonfinite(what):
+        good = f"{last_path} (step {state['saved_step']})" if state["saved_step"] is not None else "none written yet"
+        fail(f"{what}; last good checkpoint: {good}; lower --lr, or pass --skip-nonfinite to skip such batches", code=1)
+
+    use_bar = is_main() and sys.stderr.isatty()        # a log file gets plain lines instead of a progress bar
     t0 = time.time() - state["wall"]
-    bar = tqdm(total=total, initial=state["step"], disable=not is_main(), dynamic_ncols=True, desc=args.task)
-    metrics, seen, t_last = None, 0, time.time()
-    last_good = os.path.join(args.out, "ckpt_last.pt")
-    while state["step"] < total and not stop.stop:
-        batches = epoch_batches(state["epoch"])
-        while state["micro"] + args.grad_accum <= len(batches) and state["step"] < total and not stop.stop:
-            step = state["step"]
-            lr = args.lr * lr_factor(step, total, warmup)
+    bar = tqdm(total=total, initial=state["step"], disable=not use_bar, dynamic_ncols=True, desc=args.task)
+    seen, t_last, bad_in_row, batches, batches_epoch = 0, time.time(), 0, None, None
+    with StopFlag(device, world) as stop:
+        while state["step"] < total and not stop.requested():
+            if batches_epoch != state["epoch"]:
+                batches, batches_epoch = epoch_batches(state["epoch"]), state["epoch"]
+            step = state["step"] + 1            # the step being taken; log.jsonl counts steps from 1
+            lr = args.lr * lr_factor(step - 1, total, warmup)
             for grp in optimizer.param_groups:
                 grp["lr"] = lr
-            raw.set_progress(step / total)
-            loss_sum, stats = 0.0, {}
-            nonfinite = False
+            raw.set_progress((step - 1) / total)
+            loss_sum, stats, finite = 0.0, {}, True
             for i in range(args.grad_accum):
                 batch = batches[state["micro"] + i]
                 batch = {k: v[rank::world].to(device, non_blocking=True) for k, v in batch.items()}
@@ -559,68 +723,72 @@ def run(args):
                 sync = i == args.grad_accum - 1 or world == 1
                 with (nullcontext() if sync else model.no_sync()), autocast(device):
                     loss, stats = compute_loss(model, raw, batch, args, task, tok)
-                if not torch.isfinite(loss):
-                    nonfinite = True
+                finite = all_true(torch.isfinite(loss.detach()), device, world)
+                if not finite:
                     break
                 (loss / args.grad_accum).backward()
                 loss_sum += loss.item() / args.grad_accum
+            # the batches are consumed, stepped or skipped; the epoch ends when no full step is left
             state["micro"] += args.grad_accum
-            if nonfinite:
+            epoch_done = state["micro"] + args.grad_accum > len(batches)
+            if epoch_done:
+                state["epoch"], state["micro"] = state["epoch"] + 1, 0
+            gnorm, what = None, "loss"
+            if finite:
+                # clip (or, with --clip 0, only measure): a finite loss can still give inf/NaN gradients
+                gnorm = torch.nn.utils.clip_grad_norm_(raw.parameters(), args.clip if args.clip > 0 else float("inf"))
+                finite, what = bool(torch.isfinite(gnorm)), "gradient"
+            if not finite:
                 optimizer.zero_grad(set_to_none=True)
                 if not args.skip_nonfinite:
                     bar.close()
-                    good = f"{last_good} (step {state.get('saved_step', 'none yet')})" if os.path.exists(last_good) else "none"
-                    fail(f"non-finite loss at step {step} (lr {lr:.3g}); last good checkpoint: {good}; "
-                         "lower --lr or pass --skip-nonfinite", code=1)
+                    stop_nonfinite(f"non-finite {what} at step {step} (lr {lr:.3g})")
                 state["skipped"] += 1
-                warn(f"non-finite loss at step {step}: batch skipped ({state['skipped']} so far)")
+                bad_in_row += 1
+                warn(f"non-finite {what} at step {step}: batch skipped ({state['skipped']} so far)")
+                if bad_in_row > per_epoch:
+                    stop_nonfinite(f"non-finite loss on every batch for a whole epoch (step {step})")
                 continue
-            gnorm = torch.nn.utils.clip_grad_norm_(raw.parameters(), args.clip) if args.clip > 0 else None
+            bad_in_row = 0
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            step = state["step"]
+            state["step"] = step
             bar.update(1)
+
             if step % args.log_every == 0 or step == total:
                 now = time.time()
                 rate = seen / max(now - t_last, 1e-9)
                 seen, t_last = 0, now
-                bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.0f}")
                 rec = {"step": step, "loss": loss_sum, "lr": lr, "examples_per_s": rate, **stats}
                 if gnorm is not None:
                     rec["grad_norm"] = float(gnorm)
                 log(rec)
+                bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.0f}")
+                if is_main() and not use_bar:
+                    print(f"step {step}/{total}: loss {loss_sum:.4f}, lr {lr:.2e}, {rate:.0f} examples/s", flush=True)
             if gnet_log is not None:
                 gnet_log.log(step, step / total, drop_rates(raw))
-            if is_main() and args.eval_every and step % args.eval_every == 0 and step < total:
-                metrics = do_eval(step)
-                bar.write(f"step {step}: dev {json.dumps(metrics)}")
-            if is_main() and args.save_every and step % args.save_every == 0:
-                state["wall"], state["saved_step"] = time.time() - t0, step
-                save_checkpoint(last_good, raw, tok, optimizer, state, args)
-            if dist.is_initialized() and args.eval_every and step % args.eval_every == 0:
-                dist.barrier()
-        if state["micro"] + args.grad_accum > len(batches):
-            state["epoch"] += 1
-            state["micro"] = 0
-            if is_main() and not args.eval_every and state["step"] < total:
-                metrics = do_eval(state["step"])
-                bar.write(f"epoch {state['epoch']}: dev {json.dumps(metrics)}")
-    bar.close()
-
-    state["wall"], state["saved_step"] = time.time() - t0, state["step"]
-    if stop.stop:
-        if is_main():
-            save_checkpoint(last_good, raw, tok, optimizer, state, args)
-            print(f"stopped at step {state['step']}: saved {last_good}; continue with --resume --out {args.out}")
-        return
+            if step == total and world > 1:
+                check_replicas(raw, device, world)
+            # evaluate, then checkpoint: everything logged up to a step is in that step's ckpt_last.pt
+            if step == total or (args.eval_every and step % args.eval_every == 0) or (not args.eval_every and epoch_done):
+                if is_main():
+                    metrics = do_eval(step)
+                    if metrics:
+                        bar.write(f"step {step}: dev {json.dumps(metrics)}")
+                if world > 1:
+                    dist.barrier()
+            if step == total or (args.save_every and step % args.save_every == 0):
+                save_last()
+        bar.close()
+        if state["step"] < total:               # Ctrl-C / SIGTERM
+            if state["saved_step"] != state["step"]:
+                save_last()
+            if is_main():
+                print(f"stopped at step {state['step']}: saved {last_path}; continue with --resume --out {args.out}")
+            return
     if is_main():
-        metrics = do_eval(state["step"])
-        save_checkpoint(last_good, raw, tok, optimizer, state, args)
-        report(args, task, cfg, metrics, state)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        report(args, task, cfg, state)
 
 
 def majority_baseline(task):
@@ -632,15 +800,20 @@ def majority_baseline(task):
     return float(np.mean([e.label == int(counts.argmax()) for e in dev]))
 
 
-def report(args, task, cfg, metrics, state):
-    final = {"task": args.task, "metric": task.metric_name, "dev": metrics, "best_dev": state["best"],
+def report(args, task, cfg, state):
+    """final.json and the one-line summary."""
+    metrics, best = state["dev"], state["best"]
+    final = {"task": args.task, "metric": task.metric_name, "dev": metrics,
+             "best_dev": -best if best is not None and task.metric_name == "loss" else best,
              "best_step": state["best_step"], "steps": state["step"], "skipped_batches": state["skipped"],
              "wall_time_s": round(state["wall"], 2), "majority_baseline": majority_baseline(task),
              "config": asdict(cfg), "args": public_args(args)}
     with open(os.path.join(args.out, "final.json"), "w") as f:
         json.dump(final, f, indent=1)
-    split = next(iter(metrics))
-    line = f"done in {state['wall']:.0f}s, {state['step']} steps: dev {task.metric_name} {metrics[split][task.metric_name]:.4f}"
+    line = f"done in {state['wall']:.0f}s, {state['step']} steps"
+    if metrics:
+        split = next(iter(metrics))
+        line += f": dev {task.metric_name} {metrics[split][task.metric_name]:.4f}"
     if final["majority_baseline"] is not None:
         line += f" (majority-class baseline {final['majority_baseline']:.4f})"
     print(line + f"; results in {args.out}/final.json")

@@ -1,0 +1,216 @@
+"""Tests of train.py: a tiny end-to-end run that learns, masked-LM, the flags, the input checks.
+
+Tiny models (1 layer, d = 32) on tiny generated data in tmp_path; most runs call train.main in-process
+(one thread, restored afterwards), one input check runs as a real subprocess.
+Run: python -m pytest tests/test_train.py -q
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import train
+from model import load_pretrained
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two shared cores: one thread per run is ~10x faster than oversubscribed intra-op threads."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_main(argv, capfd):
+    """train.main in-process -> (exit code, stdout, stderr lines that are not blank)."""
+    try:
+        train.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    return code, out, [line for line in err.splitlines() if line.strip()]
+
+
+def write_zebra_tsv(folder, n_train=400, n_dev=100, seed=0, dev_labels=None):
+    """A learnable toy task: label 1 iff the word 'zebra' appears (40% of the lines)."""
+    rng = random.Random(seed)
+    words = "apple river stone cloud green table music paper light water horse dream".split()
+    os.makedirs(folder, exist_ok=True)
+    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("text\tlabel\n")
+            for i in range(n):
+                toks = [rng.choice(words) for _ in range(rng.randint(4, 10))]
+                y = int(rng.random() < 0.4)
+                if y:
+                    toks[rng.randrange(len(toks))] = "zebra"
+                label = dev_labels[i % len(dev_labels)] if name == "dev.tsv" and dev_labels else y
+                f.write(" ".join(toks) + f"\t{label}\n")
+    return folder
+
+
+def tsv_args(folder, out):
+    return ["--task", "tsv", "--data", folder, "--text-col", "text", "--label-col", "label", "--vocab-size", "36",
+            "--out", str(out), *TINY]
+
+
+@pytest.fixture(scope="module")
+def listops_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("listops"))
+    data.write_listops(folder, 64, 16, 4, min_len=5, max_len=30, seed=0, max_depth=3, max_args=3)
+    return folder
+
+
+def listops_args(folder, out, steps=1):
+    return ["--task", "listops", "--data", folder, "--out", str(out), "--max-steps", str(steps),
+            "--batch-size", "8", *TINY]
+
+
+def read_log(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# -----------------------------------------------------------------------------
+# end to end
+
+def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
+    folder = write_zebra_tsv(str(tmp_path / "zebra"))
+    out = tmp_path / "run"
+    code, stdout, err = run_main(tsv_args(folder, out) + [
+        "--max-steps", "120", "--batch-size", "16", "--lr", "3e-3", "--warmup", "10", "--eval-every", "40",
+        "--save-every", "40", "--log-every", "10", "--attn-dropout", "none", "--hidden-dropout-p", "0"], capfd)
+    assert code == 0, err
+    assert err == []
+    log = read_log(out)
+    losses = [r["loss"] for r in log if "loss" in r]
+    evals = [r for r in log if "dev" in r]
+    assert [r["step"] for r in log if "loss" in r] == list(range(10, 121, 10))
+    assert [r["step"] for r in evals] == [40, 80, 120]
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3          # the loss falls
+    final = json.loads((out / "final.json").read_text())
+    for key in ("task", "metric", "dev", "steps", "wall_time_s", "config"):
+        assert key in final
+    assert final["task"] == "tsv" and final["metric"] == "acc" and final["steps"] == 120
+    assert final["dev"] == evals[-1]["dev"]
+    assert final["dev"]["dev"]["acc"] > final["majority_baseline"] + 0.2    # beats always-the-majority
+    for name in ("ckpt_best.pt", "ckpt_last.pt"):
+        model = load_pretrained(str(out / name))
+        ckpt = torch.load(out / name, weights_only=True)
+        assert all(torch.equal(v, ckpt["model"][k]) for k, v in model.state_dict().items())
+        assert model.cfg.num_labels == 2
+
+
+def test_mlm_runs_and_its_loss_falls(tmp_path, capfd):
+    rng = random.Random(0)
+    sentences = ["the cat sat on the mat", "a dog ran to the big red house", "birds sing in the green tree",
+                 "we drink cold water at noon"]                  # masked words are guessable from context
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for name, n in (("train.txt", 300), ("dev.txt", 40)):
+        (folder / name).write_text("".join(rng.choice(sentences) + "\n" for _ in range(n)))
+    out = tmp_path / "mlm"
+    code, _, err = run_main(["--task", "mlm", "--data", str(folder), "--vocab-size", "30", "--out", str(out), *TINY,
+                             "--max-steps", "80", "--batch-size", "16", "--lr", "3e-3", "--warmup", "5",
+                             "--log-every", "5", "--eval-every", "40"], capfd)
+    assert code == 0, err
+    losses = [r["loss"] for r in read_log(out) if "loss" in r]
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
+    final = json.loads((out / "final.json").read_text())
+    assert final["metric"] == "loss" and final["dev"]["dev"]["loss"] < losses[0]
+    assert load_pretrained(str(out / "ckpt_last.pt")).cls is None
+
+
+def test_flags_exist():
+    flags = {s for a in train.make_parser()._actions for s in a.option_strings}
+    wanted = ("--task --data --init --out --epochs --max-steps --batch-size --lr --warmup --weight-decay --seed "
+              "--eval-every --save-every --device --resume --compile --attention --block-size --window --num-global "
+              "--num-random --max-positions --attn-dropout --attn-dropout-p --hidden-dropout-p --layerdrop "
+              "--attn-layerdrop --sar --sar-shift --rdrop --gnet-budget --gnet-lambda --gnet-tau --gnet-dim "
+              "--schedule --skip-nonfinite --overwrite --no-truncate").split()
+    assert not [f for f in wanted if f not in flags]
+
+
+# -----------------------------------------------------------------------------
+# input checks: one line each, "error:" (and a non-zero exit) or "warning:" (and the run goes on)
+
+def only_line(err, prefix, words):
+    assert len(err) == 1, err
+    assert err[0].startswith(prefix) and words in err[0], err[0]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--sar", "1.0"], "--sar with dense attention has no effect"),
+    (["--attention", "sparse", "--block-size", "64"], "larger than the longest sequence"),
+    (["--max-len", "8"], "were longer than --max-len 8 and were truncated"),
+])
+def test_warnings(listops_dir, tmp_path, capfd, extra, words):
+    code, _, err = run_main(listops_args(listops_dir, tmp_path / "w") + extra, capfd)
+    assert code == 0
+    only_line(err, "warning: ", words)
+
+
+def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
+    code, _, err = run_main(listops_args(listops_dir, tmp_path / "a") + ["--max-len", "8", "--no-truncate"], capfd)
+    assert code == 2
+    only_line(err, "error: ", "longer than --max-len 8 (--no-truncate)")
+    code, _, err = run_main(listops_args(listops_dir, tmp_path / "b") + ["--sar", "1", "--rdrop", "1"], capfd)
+    assert code == 2
+    only_line(err, "error: ", "--sar and --rdrop are alternatives")
+
+
+def test_errors_on_init_and_out(listops_dir, tmp_path, capfd):
+    args = listops_args(listops_dir, tmp_path / "run")
+    code, _, err = run_main(args + ["--init", str(tmp_path / "nowhere")], capfd)
+    assert code == 2
+    only_line(err, "error: ", "neither a model folder nor a checkpoint file")
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    code, _, err = run_main(args + ["--init", str(tmp_path / "notes.txt")], capfd)
+    assert code == 2
+    only_line(err, "error: --init: ", "notes.txt")
+    code, _, err = run_main(args + ["--resume"], capfd)
+    assert code == 2
+    only_line(err, "error: ", "ckpt_last.pt does not exist")
+    assert run_main(args, capfd)[0] == 0                          # a run in --out ...
+    code, _, err = run_main(args, capfd)                          # ... is not overwritten by another one
+    assert code == 2
+    only_line(err, "error: ", "holds another run")
+    assert run_main(args + ["--overwrite"], capfd)[0] == 0
+
+
+def test_errors_on_data(tmp_path, capfd):
+    folder = write_zebra_tsv(str(tmp_path / "unseen"), n_train=40, n_dev=10, dev_labels=["0", "1", "maybe"])
+    code, _, err = run_main(tsv_args(folder, tmp_path / "a"), capfd)
+    assert code == 2
+    only_line(err, "error: ", "unknown label 'maybe'")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "basic_train.tsv").write_text("")
+    (empty / "basic_val.tsv").write_text("Source\tTarget\n( [MAX 1 2 ] )\t2\n")
+    code, _, err = run_main(["--task", "listops", "--data", str(empty), "--out", str(tmp_path / "b"), *TINY], capfd)
+    assert code == 2
+    only_line(err, "error: ", "empty file")
+    (empty / "basic_train.tsv").write_text("Source\tTarget\n( [MAX 1 2 ] )\t2\n")
+    (empty / "basic_val.tsv").write_text("Source\tTarget\n")               # a header and no rows
+    code, _, err = run_main(["--task", "listops", "--data", str(empty), "--out", str(tmp_path / "c"), *TINY], capfd)
+    assert code == 2
+    only_line(err, "error: ", "has no examples")
+
+
+def test_error_is_one_line_in_a_real_process(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "train.py", "--task", "listops", "--init", str(tmp_path / "missing.pt"),
+                        "--out", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [f"error: --init {tmp_path / 'missing.pt'}: neither a model folder nor "
+                                             "a checkpoint file (nor 'scratch')"]
