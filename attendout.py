@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 METHODS = ("standard", "none", "attendout", "scheduled")
 GNET = "gnet"        # name of the G-Net submodule: export_without_gnet drops keys with this component
@@ -178,22 +179,24 @@ def make_scheduled(schedule, num_layers, layer_idx):
 class GNet(nn.Module):
     """Per-layer drop-logit generator: Z = (X W_q)(X W_k)^T / sqrt(d_g) + beta, per head.
 
-    W_q and W_k are fused in one Linear `qk`: rows [0, H*d_g) are W_q, rows [H*d_g, 2*H*d_g) are W_k.
+    W_q and W_k are fused in one linear map (weight, bias): rows [0, H*d_g) are W_q, rows [H*d_g, 2*H*d_g)
+    are W_k. They are plain Parameters, not an nn.Linear, so a model-wide `apply(init nn.Linear)` (BERT init,
+    std 0.02) does not overwrite the small G-Net init.
     """
 
     def __init__(self, hidden_size, num_heads, gnet_dim, p0):
         super().__init__()
         self.num_heads, self.gnet_dim = num_heads, gnet_dim
-        self.qk = nn.Linear(hidden_size, 2 * num_heads * gnet_dim)  # [W_q | W_k]
+        self.weight = nn.Parameter(torch.empty(2 * num_heads * gnet_dim, hidden_size))  # [W_q | W_k]
+        self.bias = nn.Parameter(torch.empty(2 * num_heads * gnet_dim))
         self.beta = nn.Parameter(torch.zeros(()))
         self.p0 = max(float(p0), P0_MIN)
         self.reset_parameters()
 
     def reset_parameters(self):
         # SPEC 3.1: projections small (std 0.002, zero bias) and beta = logit(p0), so that pi ~ p0 at start.
-        # (A model-wide re-init of every nn.Linear must call this again afterwards.)
-        nn.init.normal_(self.qk.weight, std=0.002)
-        nn.init.zeros_(self.qk.bias)
+        nn.init.normal_(self.weight, std=0.002)
+        nn.init.zeros_(self.bias)
         with torch.no_grad():
             self.beta.fill_(math.log(self.p0 / (1.0 - self.p0)))
 
@@ -206,7 +209,7 @@ class GNet(nn.Module):
         """
         B, L, _ = x.shape
         H, dg = self.num_heads, self.gnet_dim
-        g = self.qk(x.detach())                                  # [B, L, 2*H*d_g]  X is detached (SPEC 3.1)
+        g = F.linear(x.detach(), self.weight, self.bias)         # [B, L, 2*H*d_g]  X is detached (SPEC 3.1)
         g = g.view(B, L, 2, H, dg).permute(2, 0, 3, 1, 4)        # [2, B, H, L, d_g]
         gq, gk = g[0] * (1.0 / math.sqrt(dg)), g[1]              # [B, H, L, d_g] each
         ones = gq.new_ones(B, H, L, 1)
@@ -223,11 +226,12 @@ class RelaxedDrop(torch.autograd.Function):
         k_hard = [k_soft > 0.5]
         k      = k_hard + k_soft - k_soft.detach()       (forward value k_hard, gradient dk_soft/dZ)
 
-    Fused into one Function so the [B, H, L, L] temporaries are few: the forward multiplies A by
-    k_hard / (1 - pi); the backward gives
-        dA = g * k_hard / (1 - pi)
-        dZ = g * A / (1 - pi) * dk_soft/dZ,   dk_soft/dZ = -k_soft (1 - k_soft) / tau.
-    Z is passed through grad_reverse by the caller, pi is a constant here (its own gradient path is the
+    Fused into one Function so the [B, H, L, L] passes are few. The forward returns A * k_hard / (1 - pi)
+    and keeps two tensors for the backward:
+        scale = k_hard / (1 - pi)                              dA = g * scale
+        w     = A / (1 - pi) * dk_soft/dZ                      dZ = g * w
+              = -A / (1 - pi) * k_soft (1 - k_soft) / tau
+    Z is passed through grad_reverse by the caller; pi is a constant here (its own gradient path is the
     budget term).
     """
 
@@ -235,24 +239,21 @@ class RelaxedDrop(torch.autograd.Function):
     def forward(ctx, A, Z, pi, tau):
         # A [..]: attention probabilities in the kernel's layout; Z, pi: same shape (float32)
         u = torch.rand_like(Z)                                   # u ~ U(0,1)
-        k_soft = u.logit_(U_EPS).sub_(Z).div_(tau).sigmoid_()   # sigmoid((log u - log(1-u) - Z) / tau)
-        k_hard = k_soft > 0.5                                    # bool, keep iff u > pi (up to rounding)
+        k_soft = u.logit_(U_EPS).sub_(Z).mul_(1.0 / tau).sigmoid_()  # sigmoid((log u - log(1-u) - Z) / tau)
         inv = torch.rsub(pi, 1.0).clamp_min_(KEEP_MIN).reciprocal_()  # 1 / (1 - pi), finite
-        out = (A * inv).mul_(k_hard)                            # A * k_hard / (1 - pi)
-        ctx.tau = tau
-        ctx.save_for_backward(A, inv, k_hard, k_soft)
+        a_inv = A * inv                                          # A / (1 - pi)
+        # k_hard = [k_soft > 0.5] as a float: round() maps [0, 0.5] -> 0 (half to even) and (0.5, 1] -> 1
+        scale = torch.round(k_soft).mul_(inv)                    # k_hard / (1 - pi)
+        out = A * scale                                          # A' = A * k_hard / (1 - pi)
+        w = (k_soft - 1.0).mul_(k_soft).mul_(a_inv).mul_(1.0 / tau)  # -A/(1-pi) * k_soft (1 - k_soft) / tau
+        ctx.save_for_backward(scale, w)
         return out.to(A.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        A, inv, k_hard, k_soft = ctx.saved_tensors
-        g_inv = g * inv                                          # g / (1 - pi)
-        dA = dZ = None
-        if ctx.needs_input_grad[1]:
-            # dZ = g * A / (1 - pi) * (-k_soft (1 - k_soft) / tau)
-            dZ = (g_inv * A).mul_(k_soft).mul_(k_soft - 1.0).div_(ctx.tau)
-        if ctx.needs_input_grad[0]:
-            dA = g_inv.mul_(k_hard).to(A.dtype)
+        scale, w = ctx.saved_tensors
+        dA = (g * scale).to(g.dtype) if ctx.needs_input_grad[0] else None
+        dZ = g * w if ctx.needs_input_grad[1] else None
         return dA, dZ, None, None
 
 
@@ -291,16 +292,12 @@ class AttendOut(AttnDropout):
         return self.training
 
     def reset_stats(self):
-        self.pi_sum, self.pi_count = None, None  # accumulated over drop_fn calls of one forward
+        # sum of pi over valid pairs and their count, accumulated over every drop_fn call (all layout pieces,
+        # both HST stages, both passes of SAR / R-Drop) until budget_loss consumes them
+        self.pi_sum, self.pi_count = None, None
 
-    def hook(self, x, accumulate=False):
-        """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract).
-
-        Starts a new forward: the budget statistics are reset, unless accumulate=True (a second attention
-        call belonging to the same layer forward, e.g. HST stage 2 with its own input).
-        """
-        if not accumulate:
-            self.reset_stats()
+    def hook(self, x):
+        """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
         a, c = self.gnet.features(x)  # [B, H, L, d_g + 1] each, computed once per forward
 
         def drop_fn(A, valid, pair_scores):
@@ -336,9 +333,11 @@ def attendout_modules(modules):
 def budget_loss(modules):
     """SPEC 3.1 budget: lambda * (mean_l mean(pi_l) - rho)^2, no gradient reversal.
 
-    mean(pi_l) is over layer l's heads and valid (query, key) pairs of the last training forward. Layers
-    that did not run (LayerDrop) are left out. The statistics are consumed: their graph references are
-    cleared (the detached value is kept for drop_rates), so call it once per forward, before backward.
+    mean(pi_l) is over layer l's heads and valid (query, key) pairs of every drop_fn call since the last
+    budget_loss (normally: the step's training forward; with SAR / R-Drop both passes; with HST both
+    stages). Layers that did not run (LayerDrop) are left out. The statistics are consumed (reset, the
+    detached value kept for drop_rates): call it once per training forward(s), before backward; a training
+    loop that does not use the budget should call reset_stats() on the modules instead.
     Returns a 0-dim tensor (0 when there is nothing to regularise).
     """
     mods = attendout_modules(modules)
@@ -350,7 +349,7 @@ def budget_loss(modules):
             rates.append(r)
         m.reset_stats()
     if not rates:
-        return torch.zeros(())
+        return torch.zeros((), device=mods[0].gnet.beta.device) if mods else torch.zeros(())
     lam, rho = mods[0].lam, mods[0].rho
     return lam * (torch.stack(rates).mean() - rho) ** 2
 

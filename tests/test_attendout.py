@@ -117,7 +117,28 @@ def task_grad_wq(reverse):
     out = attn(q, k, v, mask, mod, x, True)
     (out ** 2).sum().backward()
     hd = H * mod.gnet.gnet_dim
-    return mod.gnet.qk.weight.grad[:hd].clone(), mod  # rows [0, H*d_g) are W_q
+    return mod.gnet.weight.grad[:hd].clone(), mod  # rows [0, H*d_g) are W_q
+
+
+def test_stats_accumulate_over_layout_pieces():
+    # a kernel may call drop_fn once per layout piece: statistics add up over the calls of one forward
+    x, q, k, v, mask = inputs()
+    mod = ao.make_attn_dropout(make_config(), 0).train()
+    valid = mask.bool()[:, None, None, :]
+    A = torch.rand(B, H, L, L) * valid
+    scores = lambda a, c: a @ c.transpose(-1, -2)
+    mod.hook(x)(A, valid, scores)
+    full_sum, full_count = mod.pi_sum.item(), mod.pi_count.item()
+    ao.budget_loss([mod])                                  # consumes (resets) the statistics
+    assert mod.pi_sum is None and ao.drop_rates([mod]) == [pytest.approx(full_sum / full_count)]
+    fn = mod.hook(x)
+    half = lambda rows: (lambda a, c: a[:, :, rows] @ c.transpose(-1, -2))
+    fn(A[:, :, :3], valid, half(slice(0, 3)))
+    fn(A[:, :, 3:], valid, half(slice(3, None)))
+    assert mod.pi_count.item() == full_count
+    assert mod.pi_sum.item() == pytest.approx(full_sum, rel=1e-5)
+    mod.hook(x[:, :4])(A[:, :, :4, :4], valid[..., :4], scores)  # e.g. HST stage 2: 2nd hook, same forward
+    assert mod.pi_count.item() == full_count + H * 4 * (4 + 4)
 
 
 def test_gradient_reversal_and_straight_through():
@@ -136,6 +157,10 @@ def test_budget_init_and_training():
     for m in mods:
         attn(q, k, v, mask, m, x, True)
     rates = ao.drop_rates(mods)
+    # a model-wide BERT re-init of nn.Linear (as model.py does) must not touch the G-Net
+    before = mods[0].gnet.weight.clone()
+    torch.nn.ModuleList(mods).apply(lambda mod: isinstance(mod, torch.nn.Linear) and mod.weight.data.normal_())
+    assert torch.equal(mods[0].gnet.weight, before)
     assert len(rates) == 3 and all(abs(r - 0.1) < 0.02 for r in rates)   # pi ~ p0 at init
     # the statistics count exactly the valid pairs: B*H*L*(real keys) = 2*2*8*(8+5)
     assert mods[0].pi_count.item() == H * L * (8 + 5)
@@ -225,6 +250,10 @@ def test_logger_reads_modules(tmp_path):
     ao.DropRateLogger(path, 1).log(5, 0.5, mods)
     rec = json.loads(open(path).read())
     assert rec["step"] == 5 and rec["drop_rate"] == pytest.approx(ao.drop_rates(mods))
+    ao.DropRateLogger(path, 1, append=True).log(6, 0.6, [0.1, 0.2, 0.3])   # resume: keeps the old lines
+    assert [json.loads(s)["step"] for s in open(path)] == [5, 6]
+    ao.DropRateLogger(path, 1)                                             # fresh run: starts afresh
+    assert open(path).read() == ""
 
 
 def test_export_without_gnet():
@@ -234,7 +263,7 @@ def test_export_without_gnet():
     sd = model.state_dict()
     out = ao.export_without_gnet(sd)
     gnet_keys = {k for k in sd if ".gnet." in k}
-    assert gnet_keys == {f"layers.{i}.gnet.{p}" for i in range(2) for p in ("qk.weight", "qk.bias", "beta")}
+    assert gnet_keys == {f"layers.{i}.gnet.{p}" for i in range(2) for p in ("weight", "bias", "beta")}
     assert set(out) == set(sd) - gnet_keys
     assert all(out[k] is sd[k] for k in out)
 
