@@ -281,6 +281,9 @@ def load_tokenizer(args, data_dir, resume_path=None):
     texts = data.training_texts(args.task, data_dir, text_col=args.text_col, text_pair_col=args.text_pair_col,
                                 label_col=args.label_col, train_file=args.train_file)
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
+    if not os.access(folder, os.W_OK):      # read-only data: cache the tokenizer under data/spm-cache/ instead
+        folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
+        os.makedirs(folder, exist_ok=True)
     tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
     if dist.is_initialized() and is_main():
         dist.barrier()

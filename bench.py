@@ -1,0 +1,644 @@
+"""bench.py: speed and memory of attnreg's encoder, side by side with HuggingFace references, in one run.
+
+What it is: one command that times *training steps* (forward + loss.backward(), no optimizer) and prints
+a Markdown table per section, every figure as a ratio with its requirement beside it, and writes the lot
+to JSON. The reference implementations come from `transformers` (imported here only, never by the library).
+
+The idea in three lines: a teaching codebase is only useful if it is not a slow toy. So we race our dense
+encoder against RobertaModel with the same weights, our block-sparse encoder against BigBirdModel, and our
+methods (HST, AttendOut, SAR / R-Drop) against their plain baselines, timing the two sides alternately
+(ours, theirs, ours, theirs, ...) so that background load hits both alike, and report medians.
+
+Sections (--only takes names or numbers):
+  1 dense      our dense encoder vs RobertaModel (eager and sdpa; the faster is the reference), MiniLM size
+  2 bigbird    our sparse encoder vs BigBirdModel(attention_type="block_sparse"), n = 4096
+  3 scaling    time and peak memory at n = 1k .. 16k for dense / sparse / HST, one fresh process each
+  4 hst        HST vs block-sparse on the same topology, n = 4096
+  5 attendout  AttendOut vs standard attention dropout: train step and inference
+  6 sar        SAR and R-Drop steps vs a plain cross-entropy step (sparse, n = 1024)
+  7 throughput (CUDA only) tokens/s and MFU at 4k and 16k, sparse vs dense SDPA, bf16
+
+How to run it:
+    python bench.py                       # everything, full sizes (tens of minutes on 2 busy CPU cores)
+    python bench.py --quick               # small sizes, under a minute: a smoke run
+    python bench.py --only dense,hst --rounds 15 --threads 2 --json out/bench.json
+    python bench.py --device cuda         # bf16 autocast, tokens/s and MFU vs --peak-tflops (989: H200)
+    python bench.py --only hst --profile  # also print torch.profiler's top ops of our side
+No figure is ever asserted on: timings are noisy, the table is for people (tests/test_bench.py is a smoke).
+"""
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import sar
+from attendout import budget_loss
+from model import Config, Model, build_model, convert_hf_state, load_pretrained
+
+SECTIONS = ("dense", "bigbird", "scaling", "hst", "attendout", "sar", "throughput")
+MEMORY_LIMIT = 12 * 2**30      # skip a scaling point whose estimated peak exceeds this (bytes)
+
+
+# -----------------------------------------------------------------------------
+# Sizes. Full sizes are those of the task; --quick shrinks everything to run in under a minute.
+
+def sizes(quick):
+    if not quick:
+        return dict(minilm_batch=(16, 128), minilm_layers=6,
+                    bigbird=dict(n=4096, batch=2, block=64, num_global=128),
+                    scaling_ns=[1024, 2048, 4096, 8192, 16384], scaling_steps=3, hst_n=4096,
+                    sar_n=1024, sar_batch=2, throughput_ns=[4096, 16384])
+    return dict(minilm_batch=(4, 64), minilm_layers=2,            # MiniLM's width, 2 of its 6 layers
+                bigbird=dict(n=512, batch=1, block=32, num_global=64),
+                scaling_ns=[512, 1024], scaling_steps=2, hst_n=512,
+                sar_n=256, sar_batch=1, throughput_ns=[512, 1024])
+
+
+def minilm_config(**kw):
+    """MiniLM-sized RoBERTa (6 x 384, 12 heads, FFN 1536, vocab 30522)."""
+    base = dict(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536,
+                max_positions=514, type_vocab_size=1, pad_id=1, layer_norm_eps=1e-5)
+    return Config(**{**base, **kw})
+
+
+def long_config(attention, n, **kw):
+    """The long-sequence model of sections 2-4, 6: 2 x 256, 4 heads, FFN 1024, BigBird's topology
+    (block 64, one window block each side, 2 global blocks = 128 tokens, 3 random blocks)."""
+    base = dict(vocab_size=30522, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
+                max_positions=n + 2, type_vocab_size=1, pad_id=1, attention=attention, block_size=64,
+                window=1, num_global=128, num_random=3)
+    return Config(**{**base, **kw})
+
+
+# -----------------------------------------------------------------------------
+# Timing
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def autocast(device):
+    """bf16 autocast on CUDA, a no-op context on CPU (fp32)."""
+    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+
+def train_step(model, batch, loss_fn, device="cpu"):
+    """One training step without optimizer: fresh grads, forward, loss, backward."""
+    model.zero_grad(set_to_none=True)
+    with autocast(device):
+        loss = loss_fn(model, batch)
+    loss.backward()
+    return loss
+
+
+def time_alternately(fns, rounds, warmup=1, device="cpu"):
+    """fns: {name: zero-argument callable}. Runs each `warmup` times, then `rounds` rounds of one call of
+    each in turn (a, b, a, b, ...). Returns {name: [seconds per call]}."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def med(ts):
+    return statistics.median(ts)
+
+
+def verdict(ratio, need=None, target=None, expect=None):
+    """'ratio 0.82 (need <= 1.0, target 0.85): PASS'. Without a requirement: an info line."""
+    if need is None:
+        return f"ratio {ratio:.2f} ({expect}): info"
+    s = f"ratio {ratio:.2f} (need <= {need:g}" + (f", target {target:g}" if target is not None else "") + "): "
+    s += "PASS" if ratio <= need else "FAIL"
+    if target is not None and ratio <= need:
+        s += "" if ratio <= target else " (target missed)"
+    return s
+
+
+def figure(name, ours, theirs, need=None, target=None, expect=None):
+    """A ratio ours/theirs of median times, as a JSON-able dict with its printed line."""
+    ratio = med(ours) / med(theirs)
+    paired = med([a / b for a, b in zip(ours, theirs)])   # median of per-round ratios: a noise check
+    line = verdict(ratio, need, target, expect)
+    status = "info" if need is None else ("PASS" if ratio <= need else "FAIL")
+    return dict(name=name, ratio=ratio, paired_ratio=paired, need=need, target=target, status=status,
+                line=f"{name}: {line}")
+
+
+def table(headers, rows):
+    """A Markdown table from a header list and rows of already formatted cells."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def ms(ts):
+    return f"{1e3 * med(ts):.1f}"
+
+
+# -----------------------------------------------------------------------------
+# FLOPs (for tokens/s and model-FLOPs utilisation on CUDA)
+
+def layer_params(model):
+    """Parameters of the transformer layers (embeddings and heads excluded: they are not matmuls per token)."""
+    layers = model.layers if hasattr(model, "layers") else model.encoder.layer
+    return sum(p.numel() for p in layers.parameters())
+
+
+def attention_context(cfg, n):
+    """Keys each query sees: n (dense), or (2w + 1 + r) b + g (block-sparse; HST adds R_i)."""
+    if cfg.attention == "dense":
+        return n
+    ctx = (2 * cfg.window + 1 + cfg.num_random) * cfg.block_size + cfg.num_global
+    return ctx + 1 if cfg.attention == "hst" else ctx
+
+
+def train_flops(cfg, params, batch, n):
+    """6 * params * tokens (matmuls, forward + backward) + 12 * layers * n * context * d (QK^T and AV)."""
+    tokens = batch * (n + (n // cfg.block_size if cfg.attention == "hst" else 0))
+    attn = 12 * cfg.num_layers * tokens * attention_context(cfg, n) * cfg.hidden_size
+    return 6 * params * tokens + attn
+
+
+def rate_cells(flops, tokens, seconds, args):
+    """[tokens/s, MFU or achieved TFLOP/s] cells."""
+    tflops = flops / seconds / 1e12
+    mfu = f"{100 * tflops / args.peak_tflops:.1f}%" if args.device == "cuda" else f"{tflops:.3f} TF/s"
+    return [f"{tokens / seconds:,.0f}", mfu]
+
+
+# -----------------------------------------------------------------------------
+# Inputs and losses
+
+def random_batch(batch, n, vocab, device, num_labels=0, seed=0):
+    """Token ids drawn away from the special ids 0..2 (no padding), all-ones mask, zero token types."""
+    g = torch.Generator().manual_seed(seed)
+    b = dict(input_ids=torch.randint(3, vocab, (batch, n), generator=g),
+             attention_mask=torch.ones(batch, n, dtype=torch.long),
+             token_type_ids=torch.zeros(batch, n, dtype=torch.long))
+    if num_labels:
+        b["labels"] = torch.randint(0, num_labels, (batch,), generator=g)
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def ours_hidden_loss(model, batch):
+    """mean(h^2) of the last hidden states (+ the G-Net budget term under AttendOut, as train.py adds)."""
+    h = model.encode(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    loss = h.float().pow(2).mean()
+    if model.cfg.attn_dropout == "attendout" and model.training:
+        loss = loss + budget_loss(model).to(loss.device)
+    return loss
+
+
+def hf_hidden_loss(model, batch):
+    h = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+              token_type_ids=batch["token_type_ids"]).last_hidden_state
+    return h.float().pow(2).mean()
+
+
+def ce_loss(model, batch):
+    return sar.task_loss(model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]),
+                         batch["labels"])
+
+
+def sar_step_loss(model, batch):
+    return sar.sar_loss(model, batch, 1.0, 1)[0]
+
+
+def rdrop_step_loss(model, batch):
+    return sar.rdrop_loss(model, batch, 1.0)[0]
+
+
+def step_fn(model, batch, loss_fn, device):
+    return lambda: train_step(model, batch, loss_fn, device)
+
+
+def seed_all(seed=0):
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+# -----------------------------------------------------------------------------
+# Profiling (--profile): where our side spends its time
+
+def profile_step(fn, label, top=15):
+    """Run fn twice (one warm-up) under torch.profiler; print the top ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+    print(f"\n<details><summary>profile: {label}</summary>\n\n```")
+    try:    # torch >= 2.4 names GPU time "device"; older ones "cuda"
+        key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=top))
+    except (AttributeError, KeyError, ValueError):
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top))
+    print("```\n</details>\n")
+
+
+# -----------------------------------------------------------------------------
+# Section 1: dense encoder vs transformers.RobertaModel, the same weights
+
+def bench_dense(S, args):
+    from transformers import RobertaConfig, RobertaModel
+    from transformers.utils.logging import disable_progress_bar
+    B, n = S["minilm_batch"]
+    dev = args.device
+    seed_all()
+    theirs = {}
+    for impl in ("eager", "sdpa"):                   # one config object each: the model keeps a reference
+        hf_cfg = RobertaConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=S["minilm_layers"],
+                               num_attention_heads=12, intermediate_size=1536, max_position_embeddings=514,
+                               type_vocab_size=1, pad_token_id=1, layer_norm_eps=1e-5, hidden_act="gelu",
+                               hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+        hf_cfg._attn_implementation = impl
+        seed_all()
+        theirs[impl] = RobertaModel(hf_cfg, add_pooling_layer=False)
+    theirs["sdpa"].load_state_dict(theirs["eager"].state_dict())
+    with tempfile.TemporaryDirectory() as tmp:                    # ours from theirs: the real checkpoint path
+        disable_progress_bar()
+        theirs["eager"].save_pretrained(tmp)
+        ours = load_pretrained(tmp, attention="dense", attn_dropout="standard", attn_dropout_p=0.1,
+                               hidden_dropout_p=0.1)
+    batch = random_batch(B, n, 30522, dev)
+    models = {"ours": ours, **{f"hf {k}": m for k, m in theirs.items()}}
+    for m in models.values():
+        m.to(dev).eval()
+    with torch.no_grad():                                         # same weights => same outputs in eval
+        h0 = ours.encode(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        diff = max((h0 - m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                    .last_hidden_state).abs().max().item() for k, m in models.items() if k != "ours")
+    for m in models.values():
+        m.train()
+    fns = {"ours": step_fn(ours, batch, ours_hidden_loss, dev)}
+    fns.update({k: step_fn(m, batch, hf_hidden_loss, dev) for k, m in models.items() if k != "ours"})
+    t = time_alternately(fns, args.rounds, args.warmup, dev)
+    ref = min(("hf eager", "hf sdpa"), key=lambda k: med(t[k]))
+    fig = figure(f"dense train step ours / {ref}", t["ours"], t[ref], need=1.0, target=0.85)
+    flops = train_flops(ours.cfg, layer_params(ours), B, n)
+    rows = [[k, ms(v), *rate_cells(flops, B * n, med(v), args)] for k, v in t.items()]
+    print(f"## 1. Dense train step vs RobertaModel (MiniLM {S['minilm_layers']}x384, {B} x {n}, dropout 0.1, "
+          f"same weights; eval max |diff| {diff:.1e})\n")
+    print(table(["model", "ms/step (median)", "tokens/s", "MFU" if dev == "cuda" else "achieved"], rows))
+    print("\n" + fig["line"] + "\n")
+    if args.profile:
+        profile_step(fns["ours"], "ours, dense train step")
+    return dict(times=t, reference=ref, max_abs_diff_eval=diff, figures=[fig])
+
+
+# -----------------------------------------------------------------------------
+# Section 2: block-sparse encoder vs transformers.BigBirdModel(attention_type="block_sparse")
+
+def bench_bigbird(S, args):
+    from transformers import BigBirdConfig, BigBirdModel
+    bb = S["bigbird"]
+    n, B, b, dev = bb["n"], bb["batch"], bb["block"], args.device
+    seed_all()
+    hf_cfg = BigBirdConfig(vocab_size=30522, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=1024, max_position_embeddings=n, attention_type="block_sparse",
+                           block_size=b, num_random_blocks=3, hidden_act="gelu", hidden_dropout_prob=0.1,
+                           attention_probs_dropout_prob=0.1)
+    theirs = BigBirdModel(hf_cfg, add_pooling_layer=False)
+    # ours: same sizes and weights; BigBird is BERT-style (positions 0..n-1, two token types, eps 1e-12).
+    # Its globals are the first and last block; ours are the first 2 blocks (same count, g = 2b).
+    cfg = long_config("sparse", n, max_positions=n, type_vocab_size=2, pad_id=0, layer_norm_eps=1e-12,
+                      position_style="bert", block_size=b, num_global=bb["num_global"], attn_dropout="none",
+                      hidden_dropout_p=0.1)
+    ours = build_model(cfg, convert_hf_state(theirs.state_dict(), cfg, "bigbird"), "bigbird")
+    ours.to(dev).train()
+    theirs.to(dev).train()
+    batch = random_batch(B, n, 30522, dev, seed=1)
+    fns = {"ours sparse": step_fn(ours, batch, ours_hidden_loss, dev),
+           "hf bigbird": step_fn(theirs, batch, hf_hidden_loss, dev)}
+    t = time_alternately(fns, args.rounds, args.warmup, dev)
+    fig = figure("sparse train step ours / BigBird", t["ours sparse"], t["hf bigbird"], need=1.0, target=0.7)
+    flops = train_flops(cfg, layer_params(ours), B, n)
+    rows = [[k, ms(v), *rate_cells(flops, B * n, med(v), args)] for k, v in t.items()]
+    print(f"## 2. Block-sparse train step vs BigBird (2x256, 4 heads, n {n}, batch {B}, block {b}, "
+          f"3 random, {bb['num_global']} global, no attention dropout)\n")
+    print(table(["model", "ms/step (median)", "tokens/s", "MFU" if dev == "cuda" else "achieved"], rows))
+    print("\n" + fig["line"] + "\n")
+    if args.profile:
+        profile_step(fns["ours sparse"], "ours, sparse train step (BigBird sizes)")
+    return dict(times=t, figures=[fig])
+
+
+# -----------------------------------------------------------------------------
+# Section 3: scaling. Each (topology, n) runs in a fresh process so that its peak memory is its own.
+
+def estimate_bytes(kind, n, batch=1, d=256, heads=4, layers=2, ffn=1024, ctx=512, fused_dense=True):
+    """Rough peak of one train step in fp32 (what autograd keeps): ~(10 d + 3 ffn) floats per token and
+    layer, plus the attention matrix: B H n ctx floats x4 (scores, probs, masks, grads) when materialised.
+    Dense through fused SDPA (no dropout, no mask) keeps no n x n matrix."""
+    per_token = layers * (10 * d + 3 * ffn) * 4
+    if kind == "dense":
+        attn = 0 if fused_dense else layers * batch * heads * n * n * 4 * 4
+    else:
+        attn = layers * batch * heads * n * ctx * 4 * 4
+    return batch * n * per_token + attn
+
+
+def proc_status_kib(field):
+    """A 'VmRSS' / 'VmHWM' line of /proc/self/status in bytes, or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss():
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0: `echo 5 > /proc/self/clear_refs`), so that the peak
+    measures from here on and not the model build's own peak. Returns False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss():
+    """Peak RSS of this process in bytes. VmHWM (follows the reset above) where /proc has it; else
+    ru_maxrss, which also keeps the peak of the parent image this process was forked from before exec."""
+    hwm = proc_status_kib("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
+
+
+def child_measure(spec):
+    """In the child: build, baseline memory, warm-up + timed steps, peak memory. Returns a dict.
+    CPU: peak = peak RSS over the steps - RSS after the build (the peak mark is reset after the build);
+    CUDA: torch.cuda.max_memory_allocated - memory_allocated after the build."""
+    dev = spec["device"]
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    seed_all()
+    cfg = long_config(spec["kind"], spec["n"], attn_dropout="none", hidden_dropout_p=0.1)
+    model = Model(cfg).to(dev).train()
+    batch = random_batch(spec["batch"], spec["n"], cfg.vocab_size, dev)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = proc_status_kib("VmRSS") if reset_peak_rss() else peak_rss()
+    steps = spec["steps"] if spec["n"] <= 8192 else 1          # 16k: one warm-up, one timed (long on CPU)
+    t = time_alternately({"step": step_fn(model, batch, ours_hidden_loss, dev)}, steps, 1, dev)["step"]
+    if dev == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = peak_rss() - base
+    flops = train_flops(cfg, layer_params(model), spec["batch"], spec["n"])
+    return dict(spec, times=t, peak_bytes=peak, flops=flops)
+
+
+def peak_memory_child(kind, n, args, batch=1, steps=2):
+    """Run one scaling point in a fresh `python bench.py --_child SPEC` process; returns its dict."""
+    spec = dict(kind=kind, n=n, batch=batch, steps=steps, device=args.device, threads=args.threads)
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    if r.returncode != 0:
+        return dict(spec, error=(r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def scaling_points(kinds, ns, args, steps):
+    """{kind: {n: result}}; points whose estimated peak exceeds MEMORY_LIMIT are skipped (CPU)."""
+    res = {}
+    for kind in kinds:
+        for n in ns:
+            est = estimate_bytes(kind, n)
+            if args.device == "cpu" and est > MEMORY_LIMIT:
+                res.setdefault(kind, {})[n] = dict(kind=kind, n=n, skipped="memory", estimate_bytes=est)
+                continue
+            res.setdefault(kind, {})[n] = peak_memory_child(kind, n, args, steps=steps)
+            print(f"  measured {kind} n={n}", file=sys.stderr, flush=True)
+    return res
+
+
+def scaling_rows(res, args):
+    rows = []
+    for kind, by_n in res.items():
+        for n, r in by_n.items():
+            if "skipped" in r:
+                rows.append([kind, n, "skipped (memory)", f"est. {r['estimate_bytes'] / 2**30:.1f} GiB", "", ""])
+            elif "error" in r:
+                rows.append([kind, n, "error", r["error"][:60], "", ""])
+            else:
+                rows.append([kind, n, ms(r["times"]), f"{r['peak_bytes'] / 2**20:,.0f}",
+                             *rate_cells(r["flops"], n * r["batch"], med(r["times"]), args)])
+    return rows
+
+
+def bench_scaling(S, args):
+    ns = S["scaling_ns"]
+    res = scaling_points(("dense", "sparse", "hst"), ns, args, S["scaling_steps"])
+    print(f"## 3. Scaling: train step and peak memory (2x256, 4 heads, block 64, w 1, g 128, r 3, batch 1, "
+          f"attention dropout none, hidden dropout 0.1; one fresh process per point)\n")
+    print(table(["attention", "n", "ms/step (median)", "peak MiB (step - baseline)", "tokens/s",
+                 "MFU" if args.device == "cuda" else "achieved"], scaling_rows(res, args)))
+    lo, hi = (2048, 8192) if 8192 in ns else (ns[0], ns[-1])
+    figs = []
+    sp = res["sparse"]
+    if all("times" in sp.get(k, {}) for k in (lo, hi)):
+        need = round(1.15 * hi / lo, 2)                   # linear in n, with 15% slack (8k / 2k: 4.6)
+        figs.append(figure(f"sparse time({hi}) / time({lo})", sp[hi]["times"], sp[lo]["times"], need=need))
+        print("\n" + figs[-1]["line"] + "\n")
+    return dict(points={k: {str(n): r for n, r in v.items()} for k, v in res.items()}, figures=figs)
+
+
+# -----------------------------------------------------------------------------
+# Section 4: HST vs block-sparse on the same topology
+
+def bench_hst(S, args):
+    n, dev = S["hst_n"], args.device
+    models = {}
+    for kind in ("hst", "sparse"):
+        seed_all()
+        models[kind] = Model(long_config(kind, n)).to(dev).train()    # standard attention dropout 0.1
+    models["hst"].load_state_dict(models["sparse"].state_dict(), strict=False)   # + rep_embedding
+    batch = random_batch(1, n, 30522, dev, seed=2)
+    fns = {k: step_fn(m, batch, ours_hidden_loss, dev) for k, m in models.items()}
+    t = time_alternately(fns, args.rounds, args.warmup, dev)
+    fig = figure("HST / sparse train step", t["hst"], t["sparse"], need=1.5)
+    print(f"## 4. HST vs block-sparse train step (2x256, 4 heads, n {n}, batch 1, block 64, w 1, g 128, r 3, "
+          f"attention dropout 0.1)\n")
+    print(table(["attention", "ms/step (median)"], [[k, ms(v)] for k, v in t.items()]))
+    print("\n" + fig["line"] + "\n")
+    if args.profile:
+        profile_step(fns["hst"], "HST train step")
+    return dict(times=t, figures=[fig])
+
+
+# -----------------------------------------------------------------------------
+# Section 5: AttendOut vs standard dropout
+
+def bench_attendout(S, args):
+    B, n = S["minilm_batch"]
+    dev = args.device
+    models = {}
+    for method in ("attendout", "standard"):
+        seed_all()
+        models[method] = Model(minilm_config(attn_dropout=method, num_layers=S["minilm_layers"])).to(dev)
+    models["attendout"].load_state_dict(models["standard"].state_dict(), strict=False)  # + the G-Nets
+    batch = random_batch(B, n, 30522, dev, seed=3)
+    for m in models.values():
+        m.train()
+    train = {k: step_fn(m, batch, ours_hidden_loss, dev) for k, m in models.items()}
+    t_train = time_alternately(train, args.rounds, args.warmup, dev)
+
+    def infer(m):
+        def run():
+            with torch.no_grad(), autocast(dev):
+                m.encode(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        return run
+    for m in models.values():
+        m.eval()
+    t_inf = time_alternately({k: infer(m) for k, m in models.items()}, args.rounds, args.warmup, dev)
+    figs = [figure("AttendOut / standard train step", t_train["attendout"], t_train["standard"], need=1.3),
+            figure("AttendOut / standard inference", t_inf["attendout"], t_inf["standard"], need=1.1)]
+    print(f"## 5. AttendOut vs standard attention dropout (MiniLM {S['minilm_layers']}x384, dense, {B} x {n})\n")
+    print(table(["dropout", "train ms/step", "inference ms/forward"],
+                [[k, ms(t_train[k]), ms(t_inf[k])] for k in models]))
+    print("\n" + "\n".join(f["line"] for f in figs) + "\n")
+    if args.profile:
+        models["attendout"].train()
+        profile_step(train["attendout"], "AttendOut train step")
+    return dict(train_times=t_train, inference_times=t_inf, figures=figs)
+
+
+# -----------------------------------------------------------------------------
+# Section 6: SAR and R-Drop vs a plain cross-entropy step
+
+def bench_sar(S, args):
+    n, B, dev = S["sar_n"], S["sar_batch"], args.device
+    seed_all()
+    model = Model(long_config("sparse", n + 64, num_labels=2)).to(dev).train()   # + 64: room for the shift
+    batch = random_batch(B, n, 30522, dev, num_labels=2, seed=4)
+    fns = {"plain CE": step_fn(model, batch, ce_loss, dev),
+           "SAR (shift 1)": step_fn(model, batch, sar_step_loss, dev),
+           "R-Drop": step_fn(model, batch, rdrop_step_loss, dev)}
+    t = time_alternately(fns, args.rounds, args.warmup, dev)
+    figs = [figure("SAR / plain step", t["SAR (shift 1)"], t["plain CE"], expect="expect ~2: two views"),
+            figure("R-Drop / plain step", t["R-Drop"], t["plain CE"], expect="expect ~2: two passes")]
+    print(f"## 6. SAR and R-Drop step cost (sparse 2x256, n {n}, batch {B}, block 64, w 1, g 128, r 3)\n")
+    print(table(["loss", "ms/step (median)"], [[k, ms(v)] for k, v in t.items()]))
+    print("\n" + "\n".join(f["line"] for f in figs) + "\n")
+    return dict(times=t, figures=figs)
+
+
+# -----------------------------------------------------------------------------
+# Section 7 (CUDA): tokens/s, sparse vs dense SDPA, bf16
+
+def bench_throughput(S, args, scaling=None):
+    if args.device != "cuda":
+        print("## 7. Throughput: CUDA only (run with --device cuda); skipped\n")
+        return dict(skipped="cpu")
+    ns = S["throughput_ns"]
+    have = (scaling or {}).get("points", {})
+    res = {}
+    for kind in ("dense", "sparse"):
+        for n in ns:                         # reuse section 3's points when it ran in this process
+            r = have.get(kind, {}).get(str(n))
+            res.setdefault(kind, {})[n] = r if r else peak_memory_child(kind, n, args, steps=S["scaling_steps"])
+    print(f"## 7. Throughput, bf16 autocast: sparse vs dense SDPA (peak {args.peak_tflops:g} TFLOP/s)\n")
+    print(table(["attention", "n", "ms/step (median)", "peak MiB", "tokens/s", "MFU"], scaling_rows(res, args)))
+    figs = []
+    for n in ns:
+        if all("times" in res[k][n] for k in res):
+            figs.append(figure(f"dense / sparse time at n={n} (sparse speed-up)", res["dense"][n]["times"],
+                               res["sparse"][n]["times"], expect="> 1: sparse faster"))
+    print("\n" + "\n".join(f["line"] for f in figs) + "\n")
+    return dict(points={k: {str(n): r for n, r in v.items()} for k, v in res.items()}, figures=figs)
+
+
+# -----------------------------------------------------------------------------
+# Driver
+
+def parse_only(s):
+    if not s:
+        return list(SECTIONS)
+    out = []
+    for item in s.split(","):
+        item = item.strip()
+        name = SECTIONS[int(item) - 1] if item.isdigit() and 1 <= int(item) <= len(SECTIONS) else item
+        if name not in SECTIONS:
+            raise SystemExit(f"unknown section {item!r}: choose from {', '.join(SECTIONS)} or 1-{len(SECTIONS)}")
+        out.append(name)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Time attnreg against HuggingFace references (see the docstring).")
+    p.add_argument("--quick", action="store_true", help="small sizes, few rounds: under a minute on 2 CPU cores")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--only", default="", help=f"comma list of sections: {','.join(SECTIONS)} (or 1-7)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per side (default 5; --quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (989: H200 bf16 dense)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler top ops of our side")
+    p.add_argument("--json", default="bench.json", help="where to write the results")
+    p.add_argument("--_child", default=None, help=argparse.SUPPRESS)   # internal: one scaling point
+    args = p.parse_args(argv)
+    if args._child:
+        print(json.dumps(child_measure(json.loads(args._child))))
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible to torch")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+    args.warmup = args.warmup if args.warmup is not None else 1
+    S = sizes(args.quick)
+    meta = dict(device=args.device, torch=torch.__version__, transformers=importlib.metadata.version("transformers"),
+                threads=torch.get_num_threads(), cpu_count=os.cpu_count(), quick=args.quick, rounds=args.rounds,
+                warmup=args.warmup, peak_tflops=args.peak_tflops, python=platform.python_version(),
+                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    print(f"# attnreg bench ({'quick' if args.quick else 'full'}; {args.device}"
+          + (f", {meta['gpu']}, peak {args.peak_tflops:g} TFLOP/s bf16" if args.device == "cuda" else "")
+          + f"; torch {meta['torch']}, transformers {meta['transformers']}; {meta['threads']} threads; "
+          f"{args.rounds} rounds after {args.warmup} warm-up, medians)\n")
+    fns = dict(dense=bench_dense, bigbird=bench_bigbird, scaling=bench_scaling, hst=bench_hst,
+               attendout=bench_attendout, sar=bench_sar)
+    results, t0 = {}, time.perf_counter()
+    for name in parse_only(args.only):
+        if name == "throughput":
+            results[name] = bench_throughput(S, args, results.get("scaling"))
+        else:
+            results[name] = fns[name](S, args)
+    figs = [f for r in results.values() for f in r.get("figures", [])]
+    print("## Summary\n")
+    print("\n".join(f"- {f['line']}" for f in figs))
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, sizes=S, results=results), f, indent=1, default=str)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Smoke tests of bench.py: its helpers, one scaling child process and one tiny CLI run.
+
+Never asserts on times (timings are noisy); only that the bench runs and reports what it says.
+Run: python -m pytest tests/test_bench.py -q      (well under 30 s)
+"""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import bench  # noqa: E402
+from model import Config, Model  # noqa: E402
+
+
+def tiny_model(**kw):
+    cfg = Config(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                 max_positions=70, **kw)
+    return Model(cfg).train()
+
+
+def test_time_alternately_interleaves_calls():
+    calls = []
+    t = bench.time_alternately({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                               rounds=3, warmup=1)
+    assert calls == ["a", "b"] * 4                     # warm-up round, then 3 timed rounds, alternating
+    assert [len(t["a"]), len(t["b"])] == [3, 3] and all(x >= 0 for x in t["a"] + t["b"])
+
+
+def test_train_step_gives_gradients():
+    model = tiny_model(attention="sparse", block_size=8, num_global=2, num_random=1)
+    batch = bench.random_batch(2, 32, 50, "cpu")
+    loss = bench.train_step(model, batch, bench.ours_hidden_loss)
+    assert torch.isfinite(loss)
+    assert model.layers[0].attn.qkv.weight.grad is not None
+
+
+def test_verdict_lines():
+    assert bench.verdict(0.82, 1.0, 0.85) == "ratio 0.82 (need <= 1, target 0.85): PASS"
+    assert bench.verdict(0.9, 1.0, 0.85).endswith("PASS (target missed)")
+    assert bench.verdict(1.2, 1.0).endswith("FAIL")
+    f = bench.figure("x", [2.0, 2.0], [1.0, 1.0], need=1.5)
+    assert f["ratio"] == 2.0 and f["status"] == "FAIL"
+
+
+def test_sparse_flops_grow_linearly():
+    cfg = Config(hidden_size=256, num_layers=2, num_heads=4, attention="sparse", block_size=64,
+                 num_global=128, num_random=3)
+    f = [bench.train_flops(cfg, 1000, 1, n) for n in (2048, 8192)]
+    assert abs(f[1] / f[0] - 4.0) < 1e-9
+    dense = Config(hidden_size=256, num_layers=2, num_heads=4)
+    assert bench.train_flops(dense, 1000, 1, 8192) > f[1]
+
+
+def test_child_process_reports_time_and_memory():
+    args = SimpleNamespace(device="cpu", threads=1)
+    r = bench.peak_memory_child("sparse", 256, args, steps=1)
+    assert "error" not in r, r.get("error")
+    assert len(r["times"]) == 1 and r["peak_bytes"] >= 0 and r["flops"] > 0
+
+
+def test_cli_quick_section_writes_json(tmp_path):
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "bench.py", "--quick", "--only", "sar", "--rounds", "1", "--warmup", "0",
+                        "--threads", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "SAR / plain step: ratio" in r.stdout and "| plain CE |" in r.stdout
+    res = json.loads(out.read_text())
+    assert [f["name"] for f in res["results"]["sar"]["figures"]] == ["SAR / plain step", "R-Drop / plain step"]
