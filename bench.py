@@ -467,7 +467,36 @@ def bench_scaling(S, args):
         need = round(1.15 * hi / lo, 2)                   # linear in n, with 15% slack (8k / 2k: 4.6)
         figs.append(figure(f"sparse time({hi}) / time({lo})", sp[hi]["times"], sp[lo]["times"], need=need))
         print("\n" + figs[-1]["line"] + "\n")
+    if args.plot:
+        plot_scaling(res, args.plot, args.device)
     return dict(points={k: {str(n): r for n, r in v.items()} for k, v in res.items()}, figures=figs)
+
+
+def plot_scaling(res, path, device):
+    """Time and peak memory against sequence length, dense / sparse / HST, log-log (optional matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for kind, by_n in res.items():
+        ns = [n for n, r in by_n.items() if "times" in r]
+        ax_t.plot(ns, [med(by_n[n]["times"]) for n in ns], marker="o", label=kind)
+        ax_m.plot(ns, [by_n[n]["peak_bytes"] / 2**20 for n in ns], marker="o", label=kind)
+    for ax, label in ((ax_t, "train step (s)"), (ax_m, "peak memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"2 layers x 256, 4 heads, block 64, batch 1, {device} (python bench.py --only scaling)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 # -----------------------------------------------------------------------------
@@ -602,6 +631,7 @@ def main(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (989: H200 bf16 dense)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler top ops of our side")
     p.add_argument("--json", default="bench.json", help="where to write the results")
+    p.add_argument("--plot", default="", help="also draw the scaling section to this PNG (e.g. docs/scaling.png)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)   # internal: one scaling point
     args = p.parse_args(argv)
     if args._child:

@@ -24,10 +24,10 @@ import subprocess
 import sys
 import time
 
-LISTOPS_DATA = ["--train", "3000", "--val", "500", "--test", "100", "--min-len", "100", "--max-len", "250",
-                "--max-depth", "10", "--max-args", "5", "--seed", "0"]
+LISTOPS_DATA = ["--train", "5000", "--val", "500", "--test", "100", "--min-len", "10", "--max-len", "60",
+                "--max-depth", "3", "--max-args", "4", "--seed", "1"]
 LISTOPS_COMMON = ["--task", "listops", "--init", "scratch", "--layers", "2", "--hidden", "64", "--heads", "4",
-                  "--ffn", "128", "--block-size", "16", "--window", "1", "--num-global", "1", "--epochs", "4",
+                  "--ffn", "128", "--block-size", "8", "--window", "1", "--num-global", "1", "--epochs", "5",
                   "--batch-size", "32", "--lr", "1e-3", "--eval-shift", "1"]
 LISTOPS_VARIANTS = {
     "dense": ["--attention", "dense"],
@@ -39,7 +39,7 @@ LISTOPS_VARIANTS = {
 
 TEXT_COMMON = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--init", "scratch", "--layers", "4",
                "--hidden", "128", "--heads", "4", "--ffn", "256", "--max-len", "64", "--vocab-size", "8000",
-               "--epochs", "3", "--batch-size", "32", "--lr", "5e-4", "--attn-dropout-p", "0.1"]
+               "--epochs", "2", "--batch-size", "32", "--lr", "5e-4", "--attn-dropout-p", "0.1"]
 TEXT_VARIANTS = {   # "scheduled" replays the attendout run of the same dataset and seed (SPEC 3.2)
     "standard": ["--attn-dropout", "standard"],
     "attendout": ["--attn-dropout", "attendout"],

@@ -622,6 +622,18 @@ def convert(hf_dir, out_path):
     return model
 
 
+def export(ckpt_path, out_path):
+    """A fine-tuned model for inference: G-Net parameters, optimizer and RNG state dropped; an AttendOut model
+    becomes a standard-dropout one (its eval forward is the same, SPEC 3.1: no extra inference cost)."""
+    from attendout import export_without_gnet
+    cfg, state, tok, _ = read_checkpoint(ckpt_path)
+    if cfg.attn_dropout == "attendout":
+        cfg.attn_dropout = "standard"
+    model = build_model(cfg, export_without_gnet(state), ckpt_path)
+    save_atomic(checkpoint_dict(model, tok), out_path)
+    return model
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Convert HF checkpoints (roberta, xlm-roberta, bert) to attnreg .pt files")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -630,9 +642,15 @@ def main(argv=None):
     c.add_argument("out")
     i = sub.add_parser("info", help="print the config and size of a checkpoint")
     i.add_argument("path")
+    e = sub.add_parser("export", help="CKPT OUT.pt: a trained model without G-Nets and training state")
+    e.add_argument("ckpt")
+    e.add_argument("out")
     args = ap.parse_args(argv)
     try:
-        if args.cmd == "convert":
+        if args.cmd == "export":
+            model = export(args.ckpt, args.out)
+            print(f"wrote {args.out}: {model.num_params() / 1e6:.1f}M parameters (attn_dropout={model.cfg.attn_dropout})")
+        elif args.cmd == "convert":
             model = convert(args.hf_dir, args.out)
             print(f"wrote {args.out}: {model.num_params() / 1e6:.1f}M parameters, "
                   f"{model.cfg.num_layers} layers, d={model.cfg.hidden_size}, max length {model.cfg.max_len}")

@@ -201,3 +201,18 @@ def test_train_mode_hidden_dropout_is_active():
     assert not torch.equal(model(ids), model(ids))
     model.eval()
     assert torch.equal(model(ids), model(ids))
+
+
+def test_export_drops_gnet_and_keeps_eval_outputs(tmp_path):
+    from model import checkpoint_dict, save_atomic
+    torch.manual_seed(0)
+    cfg = Config(vocab_size=20, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=20, max_positions=20,
+                 num_labels=2, attn_dropout="attendout")
+    model = Model(cfg).eval()
+    save_atomic(checkpoint_dict(model, {}), str(tmp_path / "ft.pt"))
+    main(["export", str(tmp_path / "ft.pt"), str(tmp_path / "small.pt")])
+    small = load_pretrained(str(tmp_path / "small.pt")).eval()
+    assert small.cfg.attn_dropout == "standard"
+    assert not any("gnet" in k for k in small.state_dict())
+    ids = torch.randint(3, 20, (2, 7))
+    assert torch.equal(small(ids), model(ids))
