@@ -216,3 +216,37 @@ def test_export_drops_gnet_and_keeps_eval_outputs(tmp_path):
     assert not any("gnet" in k for k in small.state_dict())
     ids = torch.randint(3, 20, (2, 7))
     assert torch.equal(small(ids), model(ids))
+
+
+def test_hst_layer_equals_dense_masked_two_stage_reference():
+    """One HST layer (SPEC 2.2) = stage 1 as dense attention under hst_dense_mask over [X; R], then stage 2 as
+    dense attention among the representatives with the same Q/K/V/O and LN1, then the shared feed-forward."""
+    import math
+    from sparse import hst_dense_mask
+    torch.manual_seed(0)
+    cfg = Config(vocab_size=20, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=24, max_positions=40,
+                 attention="hst", block_size=4, window=1, num_global=2, hidden_dropout_p=0.0, attn_dropout_p=0.0)
+    model = Model(cfg).double().eval()
+    layer = model.layers[0]
+    B, n, m, d, H = 2, 16, 4, 16, 2
+    key_mask = torch.ones(B, n, dtype=torch.bool)
+    key_mask[1, 10:] = False                                    # the last block of row 1 is all padding
+    x = torch.randn(B, n, d, dtype=torch.float64)
+    xr, rep_mask = model.add_representatives(x, key_mask)       # [B, n + m, d], [B, m]
+
+    def attend(z, mask):                                        # mask [B, H|1, Lq, Lk] bool
+        q, k, v = layer.attn.qkv(z).view(B, z.size(1), 3, H, d // H).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(d // H)).masked_fill(~mask, float("-inf"))
+        a = torch.nan_to_num(s.softmax(-1))                     # rows without keys -> 0
+        return layer.attn.out((a @ v).transpose(1, 2).reshape(B, z.size(1), d))
+
+    mask1 = hst_dense_mask(n, key_mask, block_size=4, window=1, num_global=2, num_heads=H, batch_size=B)
+    x1 = layer.ln1(xr + attend(xr, mask1))                      # stage 1
+    r = x1[:, n:]
+    r2 = layer.ln1(r + attend(r, rep_mask[:, None, None, :].expand(B, 1, m, m)))   # stage 2
+    x2 = torch.cat([x1[:, :n], r2], dim=1)
+    ref = layer.ln2(x2 + layer.ffn(x2))
+    with torch.no_grad():
+        got = layer(xr, key_mask, rep_mask)
+    real = torch.cat([key_mask, rep_mask], dim=1)
+    assert (got - ref)[real].abs().max() < 1e-9
