@@ -259,6 +259,17 @@ def profile_step(fn, label, top=15):
 # -----------------------------------------------------------------------------
 # Section 1: dense encoder vs transformers.RobertaModel, the same weights
 
+def print_race(title, t, fig, ours, B, n, args, ours_fn):
+    """The table of a race against a reference: ms/step, tokens/s and MFU (CUDA) per side, then the ratio."""
+    flops = train_flops(ours.cfg, layer_params(ours), B, n)
+    rows = [[k, ms(v), *rate_cells(flops, B * n, med(v), args)] for k, v in t.items()]
+    print(title + "\n")
+    print(table(["model", "ms/step (median)", "tokens/s", "MFU" if args.device == "cuda" else "achieved"], rows))
+    print("\n" + fig["line"] + "\n")
+    if args.profile:
+        profile_step(ours_fn, "ours: " + title)
+
+
 def bench_dense(S, args):
     from transformers import RobertaConfig, RobertaModel
     from transformers.utils.logging import disable_progress_bar
@@ -295,14 +306,8 @@ def bench_dense(S, args):
     t = time_alternately(fns, args.rounds, args.warmup, dev)
     ref = min(("hf eager", "hf sdpa"), key=lambda k: med(t[k]))
     fig = figure(f"dense train step ours / {ref}", t["ours"], t[ref], need=1.0, target=0.85)
-    flops = train_flops(ours.cfg, layer_params(ours), B, n)
-    rows = [[k, ms(v), *rate_cells(flops, B * n, med(v), args)] for k, v in t.items()]
-    print(f"## 1. Dense train step vs RobertaModel (MiniLM {S['minilm_layers']}x384, {B} x {n}, dropout 0.1, "
-          f"same weights; eval max |diff| {diff:.1e})\n")
-    print(table(["model", "ms/step (median)", "tokens/s", "MFU" if dev == "cuda" else "achieved"], rows))
-    print("\n" + fig["line"] + "\n")
-    if args.profile:
-        profile_step(fns["ours"], "ours, dense train step")
+    print_race(f"## 1. Dense train step vs RobertaModel (MiniLM {S['minilm_layers']}x384, {B} x {n}, dropout 0.1, "
+               f"same weights; eval max |diff| {diff:.1e})", t, fig, ours, B, n, args, fns["ours"])
     return dict(times=t, reference=ref, max_abs_diff_eval=diff, figures=[fig])
 
 
@@ -332,14 +337,9 @@ def bench_bigbird(S, args):
            "hf bigbird": step_fn(theirs, batch, hf_hidden_loss, dev)}
     t = time_alternately(fns, args.rounds, args.warmup, dev)
     fig = figure("sparse train step ours / BigBird", t["ours sparse"], t["hf bigbird"], need=1.0, target=0.7)
-    flops = train_flops(cfg, layer_params(ours), B, n)
-    rows = [[k, ms(v), *rate_cells(flops, B * n, med(v), args)] for k, v in t.items()]
-    print(f"## 2. Block-sparse train step vs BigBird (2x256, 4 heads, n {n}, batch {B}, block {b}, "
-          f"3 random, {bb['num_global']} global, no attention dropout)\n")
-    print(table(["model", "ms/step (median)", "tokens/s", "MFU" if dev == "cuda" else "achieved"], rows))
-    print("\n" + fig["line"] + "\n")
-    if args.profile:
-        profile_step(fns["ours sparse"], "ours, sparse train step (BigBird sizes)")
+    print_race(f"## 2. Block-sparse train step vs BigBird (2x256, 4 heads, n {n}, batch {B}, block {b}, "
+               f"3 random, {bb['num_global']} global, no attention dropout)", t, fig, ours, B, n, args,
+               fns["ours sparse"])
     return dict(times=t, figures=[fig])
 
 
@@ -456,8 +456,8 @@ def scaling_rows(res, args):
 def bench_scaling(S, args):
     ns = S["scaling_ns"]
     res = scaling_points(("dense", "sparse", "hst"), ns, args, S["scaling_steps"])
-    print(f"## 3. Scaling: train step and peak memory (2x256, 4 heads, block 64, w 1, g 128, r 3, batch 1, "
-          f"attention dropout none, hidden dropout 0.1; one fresh process per point)\n")
+    print("## 3. Scaling: train step and peak memory (2x256, 4 heads, block 64, w 1, g 128, r 3, batch 1, "
+          "attention dropout none, hidden dropout 0.1; one fresh process per point)\n")
     print(table(["attention", "n", "ms/step (median)", "peak MiB (step - baseline)", "tokens/s",
                  "MFU" if args.device == "cuda" else "achieved"], scaling_rows(res, args)))
     lo, hi = (2048, 8192) if 8192 in ns else (ns[0], ns[-1])

@@ -67,7 +67,7 @@ def key_index(n, *, block_size, window, num_global, rand_idx, rand_ok, with_reps
     counted twice)."""
     b, w, g = block_size, window, num_global
     m = n // b
-    H, r = rand_idx.shape[0], rand_idx.shape[-1]
+    H = rand_idx.shape[0]
     dev = rand_idx.device
     i = torch.arange(m, device=dev)
     blk = i[:, None] + torch.arange(-w, w + 1, device=dev)[None, :]                 # [m, 2w + 1] window
@@ -315,7 +315,7 @@ def main():
     print(f"block-sparse, n={a.n} b={a.block_size} w={a.window} g={a.num_global} r={a.num_random} "
           f"(rows = queries; # window, g global, r random)")
     print(draw_text(sparse, a.n))
-    print(f"\nHST stage 1 over [X; R] (R = representatives after the bars)")
+    print("\nHST stage 1 over [X; R] (R = representatives after the bars)")
     print(draw_text(hst, a.n))
     os.makedirs(a.out_dir, exist_ok=True)
     figs = [(torch.ones(a.n, a.n, dtype=torch.long), "attention_dense.png", "dense"),

@@ -26,12 +26,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--init", "scratch", "--hidden", "32", "--heads", "2", "--ffn", "64"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run_main(argv):

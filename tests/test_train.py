@@ -21,13 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: one thread per run is ~10x faster than oversubscribed intra-op threads."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run_main(argv, capfd):
