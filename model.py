@@ -611,7 +611,10 @@ def checkpoint_dict(model, tokenizer_files, **extra):
 def save_atomic(obj, path):
     """torch.save to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())        # on disk before the rename makes it the checkpoint
     os.replace(tmp, path)
 
 

@@ -497,6 +497,10 @@ def public_args(args):
 def prepare_out(args):
     """--out holding another run is refused unless --resume or --overwrite."""
     taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
+    if is_main() and os.path.isdir(args.out):       # a run killed while saving leaves a half-written temp file
+        for f in os.listdir(args.out):
+            if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+                os.remove(os.path.join(args.out, f))
     if args.resume:
         if not os.path.exists(os.path.join(args.out, "ckpt_last.pt")):
             fail(f"--resume: {args.out}/ckpt_last.pt does not exist")
