@@ -16,8 +16,10 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
     random block it is masked there, so no key is counted twice (SPEC 2.1);
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
-  No n x n tensor is ever built. drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST:
-  [B, H, m, b + 1, K + 1]) and then the global rows [B, H, g, L]. Padding masks keys only (as dense).
+  Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
+  of query blocks at a time (small gathers: no fresh memory per step). No n x n tensor is ever built.
+  drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
+  global rows [B, H, g, L]. Padding masks keys only (as dense).
 """
 import argparse
 import math
@@ -118,8 +120,46 @@ def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores):
     return out.masked_fill(invalid.all(dim=-1, keepdim=True), 0.0)
 
 
+def _attend_fused(q, k, v, valid):
+    """The same as _attend without dropout, by PyTorch's fused attention (scaled_dot_product_attention): the
+    [.., Q, K] scores and probabilities are never stored (the backward recomputes them tile by tile), which
+    is most of the kernel's memory traffic. q [N, M, Q, d], k/v [N, M, K, d], valid [N, M, Q or 1, K]."""
+    # additive mask with a finite fill (no NaN): a row with no valid key gets a uniform mean, zeroed below
+    bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~valid, torch.finfo(q.dtype).min)                            # [N, M, Q or 1, K]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)                  # [N, M, Q, d]  SPEC 1
+    return out.masked_fill(~valid.any(dim=-1, keepdim=True), 0.0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
+
+CHUNK_ELEMENTS = 2 ** 21   # a gathered k or v chunk holds at most this many numbers (8 MB in fp32)
+
+
+def _stage1_fused(qb, k, v, kidx_flat, valid):
+    """The block layout without dropout, by _attend_fused, a chunk of query blocks at a time.
+    qb [B, H, m, bq, d], k/v [B, H, L, d], kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K].
+    Chunks keep each gathered key tensor small (<= CHUNK_ELEMENTS): large ones are fresh memory (page
+    faults) on every step, so time would grow faster than n. Returns [B, H, m, bq, d]."""
+    B, H, m, bq, d = qb.shape
+    L, K = k.shape[2], kidx_flat.shape[-1]
+    k2, v2 = k.reshape(B, H * L, d), v.reshape(B, H * L, d)
+    step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
+    outs = []
+    for i in range(0, m, step):
+        mc = min(step, m - i)
+        # key-major gather [B, K, H mc, d], seen as [B, H mc, K, d]: SDPA's backward returns the key
+        # gradients in this layout, so the gather's backward (index_add_) needs no copy
+        idx = kidx_flat[:, i:i + mc].permute(2, 0, 1).reshape(-1)                  # [K H mc]
+
+        def keys(c2):
+            return c2.index_select(1, idx).view(B, K, H * mc, d).transpose(1, 2)   # [B, H mc, K, d]
+        out = _attend_fused(qb[:, :, i:i + mc].reshape(B, H * mc, bq, d), keys(k2), keys(v2),
+                            valid[:, :, i:i + mc].flatten(1, 2))                   # [B, H mc, bq, d]
+        outs.append(out.view(B, H, mc, bq, d))
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
 
 def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_global, num_random, generator,
             dropout_p, drop_fn):
@@ -155,13 +195,19 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
         row_ok[:, b, :] = False
         row_ok[:, b, w * b:(w + 1) * b] = True                                     # tokens of block j
         row_ok[:, b, s_glob:] = True                                                # globals and R_j
-    valid = (kin & real[:, kidx])[:, :, :, None, :] & row_ok                       # [B, H, m, bq, K]
+    valid_keys = (kin & real[:, kidx])[:, :, :, None, :]                           # [B, H, m, 1, K]
 
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
         return torch.matmul(queries(a), gather_keys(c, flat, m).transpose(-1, -2))
 
-    out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
-                  pair_local)                                                       # [B, H, m, bq, d]
+    if drop_fn is None and dropout_p == 0:  # no dropout: the fused path, [B, H, m, bq, d]
+        # without HST, row_ok only masks the global query rows, which are replaced below: keys alone suffice
+        ok = valid_keys & row_ok if with_reps else valid_keys                       # [B, H, m, bq or 1, K]
+        out = _stage1_fused(queries(q), k, v, flat.view(H, m, K), ok)
+    else:
+        valid = valid_keys & row_ok                                                 # [B, H, m, bq, K]
+        out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
+                      pair_local)                                                   # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
     if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
         def pair_global(a, c):                       # [B, H, g, L]

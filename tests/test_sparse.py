@@ -202,3 +202,32 @@ def test_no_quadratic_tensor(monkeypatch):
     block_sparse_attention(q, k, v, block_size=b, window=1, num_global=1, num_random=2,
                            generator=torch.Generator().manual_seed(0))
     assert biggest and max(biggest) <= n * (5 * b + 1) < n * n // 4  # global rows 1 x n; blocks n x (5b + 1)
+
+
+@pytest.mark.parametrize("hst", [False, True])
+def test_chunked_fused_path_equals_dense(hst, monkeypatch):
+    """The fused (no dropout) path gathers keys a chunk of query blocks at a time: with tiny chunks (one or
+    two blocks, and a last chunk shorter than the rest) outputs and gradients still equal the dense ones."""
+    import sparse
+    n, b, H = 48, 4, 2
+    m = n // b
+    am = padding(n, b)
+    L = n + m if hst else n
+    kernel = hst_attention if hst else block_sparse_attention
+    mk = hst_dense_mask if hst else dense_mask
+    kw = dict(block_size=b, window=1, num_global=2, num_random=2)
+    K = 3 * b + 2 * b + 2 + int(hst)
+    for blocks in (1, 5):                    # query blocks per chunk; 5 leaves a short last chunk (12 = 5+5+2)
+        monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", blocks * am.shape[0] * H * K * 8)
+        q, k, v = qkv(am.shape[0], H, L, seed=6, grad=True)
+        out = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), **kw)
+        out.pow(2).sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        mask = mk(n, am, num_heads=H, generator=torch.Generator().manual_seed(0), **kw)
+        ref = masked_attention(q, k, v, mask)
+        torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
+        ref.pow(2).sum().backward()
+        for g1, t in zip(grads, (q, k, v)):
+            torch.testing.assert_close(g1, t.grad, atol=TOL, rtol=0)
