@@ -51,7 +51,7 @@ from model import (CheckpointError, Config, Model, apply_overrides, build_model,
 DEMO = ["--task", "listops", "--init", "scratch", "--out", "out/demo", "--overwrite",
         "--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256",
         "--attention", "hst", "--block-size", "8", "--sar", "1.0", "--attn-dropout", "attendout",
-        "--epochs", "6", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "200"]
+        "--epochs", "10", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "200"]
 DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60, max_depth=3, max_args=4, seed=0)
 
 
