@@ -350,15 +350,26 @@ def files_to_tensors(files):
             torch.zeros(0, dtype=torch.uint8) for name, data in files.items()}
 
 
+def read_tokenizer_folder(folder):
+    """{filename: bytes} of the tokenizer files in an HF folder (what converted checkpoints embed)."""
+    files = {}
+    for name in HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE):
+        p = os.path.join(folder, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                files[name] = f.read()
+    return files
+
+
+def tensors_to_files(stored):
+    """{name: uint8 tensor} (a checkpoint's ckpt["tokenizer"]["files"]) -> {name: bytes}; see files_to_tensors."""
+    return {name: t.numpy().tobytes() for name, t in stored.items()}
+
+
 def load_tokenizer(path):
     """Tokenizer of an HF folder or of a converted / trained `.pt` checkpoint (files under ckpt["tokenizer"])."""
     if os.path.isdir(path):
-        files = {}
-        for name in HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE):
-            p = os.path.join(path, name)
-            if os.path.isfile(p):
-                with open(p, "rb") as f:
-                    files[name] = f.read()
+        files = read_tokenizer_folder(path)
     elif os.path.isfile(path):
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -368,7 +379,7 @@ def load_tokenizer(path):
             stored = ckpt["tokenizer"]["files"]
         except (KeyError, TypeError):
             raise DataError(f"{path}: checkpoint has no tokenizer files (ckpt['tokenizer']['files'])") from None
-        files = {name: t.numpy().tobytes() for name, t in stored.items()}
+        files = tensors_to_files(stored)
     else:
         raise DataError(f"{path}: no such tokenizer folder or checkpoint")
     return tokenizer_from_files(files)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 from attendout import make_attn_dropout
 from sparse import block_sparse_attention, hst_attention
 
@@ -562,21 +563,7 @@ def read_hf_folder(folder):
     state = convert_hf_state(read_hf_weights(folder), cfg, folder)
     if "cls.out_proj.weight" in state:
         cfg.num_labels = state["cls.out_proj.weight"].size(0)
-    return cfg, state, read_tokenizer_files(folder)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "vocab.txt", "sentencepiece.bpe.model", "spiece.model", "attnreg_tokenizer.json")
-
-
-def read_tokenizer_files(folder):
-    """The tokenizer files of an HF folder as {name: uint8 tensor} (plain tensors: safe to embed)."""
-    out = {}
-    for name in TOKENIZER_FILES:
-        p = os.path.join(folder, name)
-        if os.path.exists(p):
-            out[name] = torch.frombuffer(bytearray(open(p, "rb").read()), dtype=torch.uint8)
-    return out
+    return cfg, state, data.files_to_tensors(data.read_tokenizer_folder(folder))   # embedded as uint8 tensors
 
 
 def read_checkpoint(path):

@@ -267,13 +267,11 @@ def task_data_dir(args):
     return folder
 
 
-def load_tokenizer(args, data_dir, resume_path=None):
-    """The run's tokenizer: a resumed run's own (stored in ckpt_last.pt), --init's, ListOps', or a SentencePiece
-    model trained on the training texts (rank 0 trains it, the other processes then read the cached file)."""
-    if resume_path is not None:
-        return data.load_tokenizer(resume_path)
-    if args.init != "scratch":
-        return data.load_tokenizer(args.init)
+def load_tokenizer(args, data_dir, stored_files=None):
+    """The run's tokenizer: the files stored with a resumed run or --init (already read with its weights), ListOps',
+    or a SentencePiece model trained on the training texts (rank 0 trains it, the others read the cached file)."""
+    if stored_files is not None:
+        return data.tokenizer_from_files(data.tensors_to_files(stored_files))
     if args.task == "listops":
         return data.ListOpsTokenizer()
     if dist.is_initialized() and not is_main():
@@ -291,14 +289,15 @@ def load_tokenizer(args, data_dir, resume_path=None):
 
 
 def read_init(args):
-    """(Config, state dict) of --init: an HF folder or a .pt checkpoint; anything else is a one-line error."""
+    """(Config, state dict, tokenizer files) of --init: an HF folder or a .pt checkpoint; anything else is a
+    one-line error."""
     if not (os.path.isdir(args.init) or os.path.isfile(args.init)):
         fail(f"--init {args.init}: neither a model folder nor a checkpoint file (nor 'scratch')")
     try:
-        cfg, state, _, _ = read_checkpoint(args.init)
+        cfg, state, tok_files, _ = read_checkpoint(args.init)
     except CheckpointError as e:
         fail(f"--init: {e}")
-    return cfg, state
+    return cfg, state, tok_files
 
 
 def method_overrides(args):
@@ -316,7 +315,7 @@ def make_model(args, tok, task, init):
                      layer_norm_eps=1e-12, position_style="bert", num_labels=task.num_labels)
         cfg = apply_overrides(cfg, overrides)
         return Model(cfg)
-    cfg, state = init
+    cfg, state, _ = init
     cfg = apply_overrides(cfg, {**overrides, "num_labels": task.num_labels})
     return build_model(cfg, state, args.init)
 
@@ -592,7 +591,8 @@ def run(args):
 
     # --- data -----------------------------------------------------------------
     data_dir = task_data_dir(args)
-    tok = load_tokenizer(args, data_dir, resume_path)
+    stored = resume_ckpt["tokenizer"]["files"] if resume_ckpt is not None else (init[2] if init else None)
+    tok = load_tokenizer(args, data_dir, stored)
     if resume_ckpt is not None:
         model_cfg = Config(**{k: v for k, v in resume_ckpt["config"].items() if k in {f.name for f in fields(Config)}})
     else:
