@@ -66,6 +66,9 @@ class Config:
     schedule: str = ""                # scheduled dropout: a droprates.jsonl FILE or "linear:P_LOW:P_HIGH"
     layerdrop: float = 0.0            # LayerDrop: skip a whole layer with this probability (training)
     attn_layerdrop: float = 0.0       # Attn.LayerDrop: skip only the attention sub-layer (training)
+    # --- compute (the same numbers, a different speed) ---
+    ffn_chunk: int = 0                # run the feed-forward on this many positions at a time (0: all at once);
+                                      # on long inputs keeps its [chunk, FFN] activations in cache (CPU)
 
     @property
     def head_dim(self):
@@ -92,6 +95,8 @@ def check_config(cfg):
     for name in ("hidden_dropout_p", "attn_dropout_p", "layerdrop", "attn_layerdrop"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ValueError(f"{name} = {getattr(cfg, name)} must be in [0, 1) (--{name.replace('_', '-')})")
+    if cfg.ffn_chunk < 0:
+        raise ValueError(f"ffn_chunk = {cfg.ffn_chunk} must be >= 0 (--ffn-chunk; 0 = no chunking)")
     if cfg.block_size < 1 or cfg.window < 0 or cfg.num_global < 0 or cfg.num_random < 0:
         raise ValueError("block_size must be >= 1 and window, num_global, num_random >= 0")
 
@@ -174,7 +179,9 @@ class Attention(nn.Module):
         # x: [B, L, d] (for HST, L = n tokens + m representatives); key_mask: [B, n] bool or None
         B, L, d = x.shape
         H, dh = self.cfg.num_heads, self.cfg.head_dim
-        q, k, v = self.qkv(x).view(B, L, 3, H, dh).permute(2, 0, 3, 1, 4)   # 3 x [B, H, L, d_h]
+        # split, not one permute of [B, L, 3, H, d_h]: the backward is then one cat of the three gradients
+        # (a permute's backward would stack and then copy them again)
+        q, k, v = (t.view(B, L, H, dh).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))  # 3 x [B, H, L, d_h]
         p, drop_fn = self.dropout_plan(x)
         if kernel == "dense":
             y = dense_attention(q, k, v, key_mask, p, drop_fn)
@@ -189,14 +196,18 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """W2 gelu(W1 x), exact (erf) GELU (SPEC 1)."""
+    """W2 gelu(W1 x), exact (erf) GELU (SPEC 1). Position-wise, so it can run on a chunk of positions at a
+    time (cfg.ffn_chunk, HF's chunk_size_feed_forward) with the same result."""
 
     def __init__(self, cfg):
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)    # W1
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)  # W2
+        self.chunk = cfg.ffn_chunk
 
-    def forward(self, x):
+    def forward(self, x):                                              # x: [B, L, d]
+        if 0 < self.chunk < x.size(1):
+            return torch.cat([self.down(F.gelu(self.up(c))) for c in x.split(self.chunk, dim=1)], dim=1)
         return self.down(F.gelu(self.up(x)))
 
 

@@ -137,26 +137,55 @@ def _attend_fused(q, k, v, valid):
 CHUNK_ELEMENTS = 2 ** 21   # a gathered k or v chunk holds at most this many numbers (8 MB in fp32)
 
 
+class GatherChunks(torch.autograd.Function):
+    """src [B, N, e] -> one gathered tensor [B, len(idx), e] per index tensor (rows of src, index_select).
+
+    Why not plain index_select per chunk: its backward fills a zero gradient the size of src for EVERY
+    chunk and autograd then adds them up, so c chunks cost c full-size fills and adds, O(n^2) in all.
+    Here the backward receives every chunk's gradient at once and index_add_s them into ONE buffer."""
+
+    @staticmethod
+    def forward(ctx, src, *idxs):
+        B, N, e = src.shape
+        ctx.save_for_backward(*idxs)
+        ctx.src_shape = src.shape
+        offset = torch.arange(B, device=src.device)[:, None] * N                  # batch b -> rows b N ..
+        flat = src.reshape(B * N, e)
+        return tuple(flat.index_select(0, (offset + i).reshape(-1)).view(B, -1, e) for i in idxs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        B, N, e = ctx.src_shape
+        offset = torch.arange(B, device=grads[0].device)[:, None] * N
+        grad = grads[0].new_zeros(B * N, e)                                          # the one buffer
+        for i, gr in zip(ctx.saved_tensors, grads):
+            if gr is not None:
+                grad.index_add_(0, (offset + i).reshape(-1), gr.reshape(-1, e))
+        return (grad.view(B, N, e),) + (None,) * len(grads)
+
+
 def _stage1_fused(qb, k, v, kidx_flat, valid):
     """The block layout without dropout, by _attend_fused, a chunk of query blocks at a time.
     qb [B, H, m, bq, d], k/v [B, H, L, d], kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K].
     Chunks keep each gathered key tensor small (<= CHUNK_ELEMENTS): large ones are fresh memory (page
-    faults) on every step, so time would grow faster than n. Returns [B, H, m, bq, d]."""
+    faults) on every step, so time would grow faster than n. Every piece is cut once (split, GatherChunks),
+    so the backward also stays linear in n. Returns [B, H, m, bq, d]."""
     B, H, m, bq, d = qb.shape
     L, K = k.shape[2], kidx_flat.shape[-1]
-    k2, v2 = k.reshape(B, H * L, d), v.reshape(B, H * L, d)
     step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
+    # key-major gather [B, K, H mc, d], seen as [B, H mc, K, d]: SDPA's backward returns the key gradients
+    # in this layout, so the gather's backward (index_add_) needs no copy
+    idxs = [c.permute(2, 0, 1).reshape(-1) for c in kidx_flat.split(step, dim=1)]  # [K H mc] each
+    k_chunks = GatherChunks.apply(k.reshape(B, H * L, d), *idxs)
+    v_chunks = GatherChunks.apply(v.reshape(B, H * L, d), *idxs)
     outs = []
-    for i in range(0, m, step):
-        mc = min(step, m - i)
-        # key-major gather [B, K, H mc, d], seen as [B, H mc, K, d]: SDPA's backward returns the key
-        # gradients in this layout, so the gather's backward (index_add_) needs no copy
-        idx = kidx_flat[:, i:i + mc].permute(2, 0, 1).reshape(-1)                  # [K H mc]
+    for qc, kc, vc, ok in zip(qb.split(step, dim=2), k_chunks, v_chunks, valid.split(step, dim=2)):
+        mc = qc.shape[2]
 
-        def keys(c2):
-            return c2.index_select(1, idx).view(B, K, H * mc, d).transpose(1, 2)   # [B, H mc, K, d]
-        out = _attend_fused(qb[:, :, i:i + mc].reshape(B, H * mc, bq, d), keys(k2), keys(v2),
-                            valid[:, :, i:i + mc].flatten(1, 2))                   # [B, H mc, bq, d]
+        def heads_first(c):                                                         # [B, H mc, K, d]
+            return c.view(B, K, H * mc, d).transpose(1, 2)
+        out = _attend_fused(qc.reshape(B, H * mc, bq, d), heads_first(kc), heads_first(vc),
+                            ok.flatten(1, 2))                                      # [B, H mc, bq, d]
         outs.append(out.view(B, H, mc, bq, d))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
@@ -213,7 +242,10 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
         def pair_global(a, c):                       # [B, H, g, L]
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
 
-        out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
+        if drop_fn is None and dropout_p == 0:                                     # fused, as above
+            out_g = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
+        else:
+            out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
         tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                     # [B, H, n, d]
     if not with_reps:
         return tok_out

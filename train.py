@@ -103,6 +103,8 @@ def make_parser():
     g = ap.add_argument_group("device")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--ffn-chunk", type=int, default=None,
+                   help="feed-forward on this many positions at a time (same result; faster on long inputs on CPU)")
 
     g = ap.add_argument_group("attention topology (ERNIE-Sparse; Config fields, default: checkpoint / Config)")
     g.add_argument("--attention", choices=["dense", "sparse", "hst"], default=None)
@@ -132,7 +134,7 @@ def make_parser():
 
 
 # flag name -> Config field, for the flags that mirror Config
-CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
+CONFIG_FLAGS = ("ffn_chunk", "attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
                 "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lambda", "gnet_tau", "gnet_dim",
                 "schedule", "layerdrop", "attn_layerdrop")
 

@@ -104,6 +104,25 @@ def test_textbook_path_equals_fused(tmp_path):
     assert torch.allclose(dense_attention(q, k, v, mask), dense_attention(q, k, v, mask, drop_fn=identity), atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+def test_chunked_feed_forward_is_the_same_function(chunk):
+    """ffn_chunk only changes how the position-wise FFN is scheduled: the same outputs and gradients (5 leaves
+    a short last chunk of a length-11 batch; 1 runs every position alone)."""
+    torch.manual_seed(0)
+    whole = Model(Config(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24,
+                         max_positions=20, hidden_dropout_p=0.0, attn_dropout_p=0.0))
+    chunked = Model(Config(**{**whole.cfg.__dict__, "ffn_chunk": chunk}))
+    chunked.load_state_dict(whole.state_dict())
+    ids = torch.randint(3, 50, (2, 11))
+    outs = []
+    for m in (whole, chunked):
+        h = m.encode(ids, torch.ones_like(ids))
+        h.pow(2).sum().backward()
+        outs.append((h, m.layers[0].ffn.up.weight.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
+
+
 def test_position_extension_by_copying(tmp_path):
     hf, folder = make_hf(tmp_path, "roberta")
     model = load_pretrained(folder, max_positions=4 * 40)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparse import block_sparse_attention, dense_mask, hst_attention, hst_dense_mask, random_blocks  # noqa: E402
@@ -186,21 +187,29 @@ def test_backward(hst):
         torch.testing.assert_close(g1, t.grad, atol=TOL, rtol=0)
 
 
-def test_no_quadratic_tensor(monkeypatch):
-    """Every matmul in the kernel is block-sized: no operand or result with two sides of length n."""
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_no_quadratic_tensor(monkeypatch, dropout_p):
+    """Every score matrix in the kernel is block-sized: no matmul result, and no fused attention call whose
+    (implied) scores, have two sides of length n. Without dropout the kernel runs through SDPA, with dropout
+    through matmul: both paths are checked."""
     n, b = 512, 16
     q, k, v = (torch.randn(1, 1, n, 8) for _ in range(3))
     biggest = []
-    real_matmul = torch.matmul
+    real_matmul, real_sdpa = torch.matmul, F.scaled_dot_product_attention
 
-    def spy(x, y):
+    def spy_matmul(x, y):
         out = real_matmul(x, y)
         biggest.append(out.numel())
         return out
 
-    monkeypatch.setattr(torch, "matmul", spy)
+    def spy_sdpa(q_, k_, v_, **kw):
+        biggest.append(q_.shape[:-1].numel() * k_.shape[-2])        # the scores it computes, tile by tile
+        return real_sdpa(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(torch, "matmul", spy_matmul)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
     block_sparse_attention(q, k, v, block_size=b, window=1, num_global=1, num_random=2,
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0), dropout_p=dropout_p)
     assert biggest and max(biggest) <= n * (5 * b + 1) < n * n // 4  # global rows 1 x n; blocks n x (5b + 1)
 
 
