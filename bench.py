@@ -577,7 +577,8 @@ def bench_attendout(S, args):
         return run
     for m in models.values():
         m.eval()
-    t_inf = time_alternately({k: infer(m) for k, m in models.items()}, args.rounds, args.warmup, dev)
+    # a forward is ~5x shorter than a train step and as noisy in absolute terms: 4x the rounds
+    t_inf = time_alternately({k: infer(m) for k, m in models.items()}, 4 * args.rounds, args.warmup, dev)
     figs = [figure("AttendOut / standard train step", t_train["attendout"], t_train["standard"], need=1.3),
             figure("AttendOut / standard inference", t_inf["attendout"], t_inf["standard"], need=1.1)]
     print(f"## 5. AttendOut vs standard attention dropout (MiniLM {S['minilm_layers']}x384, dense, {B} x {n})\n")

@@ -150,6 +150,7 @@ def test_unknown_override_field(tmp_path):
         load_pretrained(folder, not_a_field=3)
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the crafted pickle is protocol 4 on purpose
 def test_pickle_with_code_is_refused(tmp_path):
     folder = tmp_path / "evil"
     folder.mkdir()
