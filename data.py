@@ -22,6 +22,7 @@ Library use: load_tokenizer, load_task, make_batches, mask_tokens, compute_metri
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import os
@@ -255,20 +256,23 @@ class SentencePieceTokenizer:
 def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
     """Train (or reuse) a from-scratch SentencePiece model on the training texts (SPEC 4, from scratch).
 
-    Writes MODEL_PREFIX_PATH.model beside the data; an existing .model with the same vocab size is reused
-    (the cache key is the vocab size only: delete the file after changing the data).
+    Writes MODEL_PREFIX_PATH-<key>.model beside the data, where <key> is a hash of the vocab size, the model
+    type and every training text: the same data reuses the model, changed data trains a new one.
     Fixed ids: pad=0, unk=1, cls=<s>=2, sep=</s>=3, mask=<mask>=4 (a user-defined symbol).
     """
+    texts = [t for t in texts if t.strip()]
+    key = hashlib.sha1(f"{vocab_size} {model_type}".encode())
+    for t in texts:
+        key.update(t.encode("utf-8") + b"\n")
+    model_prefix_path = f"{model_prefix_path}-{key.hexdigest()[:12]}"
     path = model_prefix_path + ".model"
     if os.path.exists(path):
         with open(path, "rb") as f:
-            model_bytes = f.read()
-        if spm.SentencePieceProcessor(model_proto=model_bytes).get_piece_size() == vocab_size:
-            return _scratch_spm(model_bytes)
+            return _scratch_spm(f.read())
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(t for t in texts if t.strip()), model_prefix=model_prefix_path,
+            sentence_iterator=iter(texts), model_prefix=model_prefix_path,
             vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
             pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
             bos_piece="<s>", eos_piece="</s>", user_defined_symbols=["<mask>"],

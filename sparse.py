@@ -17,7 +17,8 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
   Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
-  of query blocks at a time (small gathers: no fresh memory per step). No n x n tensor is ever built.
+  of query blocks at a time, and so do the global rows. The chunks' key gradients add up in one buffer
+  (GatherChunks), so the backward is linear in n too. No n x n tensor is ever built.
   drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
   global rows [B, H, g, L]. Padding masks keys only (as dense).
 """

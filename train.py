@@ -284,7 +284,7 @@ def load_tokenizer(args, data_dir, stored_files=None):
     if not os.access(folder, os.W_OK):      # read-only data: cache the tokenizer under data/spm-cache/ instead
         folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
         os.makedirs(folder, exist_ok=True)
-    tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)  # -HASH.model
     if dist.is_initialized() and is_main():
         dist.barrier()
     return tok

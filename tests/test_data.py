@@ -5,6 +5,7 @@ Run: cd /work/main && python -m pytest tests/test_data.py -q
 All fixtures (vocabularies, SentencePiece models, GLUE files) are written into tmp_path by the tests.
 """
 
+import glob
 import json
 import math
 import os
@@ -159,9 +160,13 @@ def test_scratch_sentencepiece_and_listops_tokenizers(tmp_path):
     ids, types = tok.encode_plus("the cat", "a dog")
     assert ids[0] == 2 and ids[-1] == 3 and ids.count(3) == 2 and types == [0] * len(ids)  # <s> A </s> B </s>
     assert tok.decode(tok.encode("the cat sat")) == "the cat sat"
-    mtime = os.path.getmtime(prefix + ".model")
-    again = data.train_sentencepiece(["other text entirely"], prefix, vocab_size=70)  # cached: reused
-    assert os.path.getmtime(prefix + ".model") == mtime and again.encode("the cat") == tok.encode("the cat")
+    cached = glob.glob(prefix + "-*.model")
+    assert len(cached) == 1                                   # the cache key is in the name: vocab size + texts
+    mtime = os.path.getmtime(cached[0])
+    again = data.train_sentencepiece(_sentences(), prefix, vocab_size=70)  # same texts and size: reused
+    assert os.path.getmtime(cached[0]) == mtime and again.encode("the cat") == tok.encode("the cat")
+    data.train_sentencepiece(_sentences()[::-1][:-1], prefix, vocab_size=70)  # other texts: a model of its own
+    assert len(glob.glob(prefix + "-*.model")) == 2
     _save_pt(tmp_path / "a.pt", tok)
     assert data.load_tokenizer(str(tmp_path / "a.pt")).encode("the dog ran", "x") == tok.encode("the dog ran", "x")
     with pytest.raises(DataError, match="sentencepiece"):
