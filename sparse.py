@@ -157,8 +157,9 @@ class GatherChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         B, N, e = ctx.src_shape
-        offset = torch.arange(B, device=grads[0].device)[:, None] * N
-        grad = grads[0].new_zeros(B * N, e)                                          # the one buffer
+        some = next(gr for gr in grads if gr is not None)                           # for dtype and device
+        offset = torch.arange(B, device=some.device)[:, None] * N
+        grad = some.new_zeros(B * N, e)                                              # the one buffer
         for i, gr in zip(ctx.saved_tensors, grads):
             if gr is not None:
                 grad.index_add_(0, (offset + i).reshape(-1), gr.reshape(-1, e))
@@ -168,9 +169,10 @@ class GatherChunks(torch.autograd.Function):
 def _stage1_fused(qb, k, v, kidx_flat, valid):
     """The block layout without dropout, by _attend_fused, a chunk of query blocks at a time.
     qb [B, H, m, bq, d], k/v [B, H, L, d], kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K].
-    Chunks keep each gathered key tensor small (<= CHUNK_ELEMENTS): large ones are fresh memory (page
-    faults) on every step, so time would grow faster than n. Every piece is cut once (split, GatherChunks),
-    so the backward also stays linear in n. Returns [B, H, m, bq, d]."""
+    Chunks keep each gathered key tensor, and each fused call's working set, small (<= CHUNK_ELEMENTS):
+    large ones are fresh memory (page faults) on every step and fall out of cache, so time would grow faster
+    than n. Every piece is cut once (split, GatherChunks), so the backward also stays linear in n.
+    Returns [B, H, m, bq, d]."""
     B, H, m, bq, d = qb.shape
     L, K = k.shape[2], kidx_flat.shape[-1]
     step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk

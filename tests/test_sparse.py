@@ -240,3 +240,22 @@ def test_chunked_fused_path_equals_dense(hst, monkeypatch):
         ref.pow(2).sum().backward()
         for g1, t in zip(grads, (q, k, v)):
             torch.testing.assert_close(g1, t.grad, atol=TOL, rtol=0)
+
+
+def test_gather_chunks_equals_index_select():
+    """GatherChunks (one gradient buffer for all chunks) gives index_select's values and gradients: batch 2,
+    repeated and unsorted rows, and a chunk whose output is unused (its gradient is None)."""
+    from sparse import GatherChunks
+    src = torch.randn(2, 10, 3, dtype=torch.float64, requires_grad=True)
+    idxs = [torch.tensor([4, 4, 0, 9]), torch.tensor([9, 1]), torch.tensor([2, 3, 2])]
+    outs = GatherChunks.apply(src, *idxs)
+    w = [torch.randn_like(o) for o in outs]
+    (outs[0] * w[0]).sum().add((outs[1] * w[1]).sum()).backward()      # chunk 2 unused
+    ours = src.grad.clone()
+    src.grad = None
+    refs = [src.index_select(1, i) for i in idxs]
+    for o, r in zip(outs, refs):
+        assert torch.equal(o, r)
+    (refs[0] * w[0]).sum().add((refs[1] * w[1]).sum()).backward()
+    torch.testing.assert_close(ours, src.grad, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda s: GatherChunks.apply(s, *idxs), (src,))
