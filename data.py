@@ -966,23 +966,31 @@ def collate(examples, pad_id, multiple_of=1):
             "labels": labels}
 
 
-def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1, bucket_batches=50):
-    """Batches of the contract, deterministic given (seed, epoch).
+def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches=50):
+    """An epoch's batches as lists of example indices, deterministic given (seed, epoch); no tensors yet, so
+    a large task costs a list of ints, and each batch is padded (collate) only when it is used.
 
     shuffle=True: shuffle, sort by length inside chunks of bucket_batches batches (similar lengths share a
     batch, little padding), cut into batches, shuffle the batch order. shuffle=False: original order (eval).
     """
-    order = list(range(len(examples)))
+    order = list(range(len(lengths)))
     if shuffle:
         rng = np.random.default_rng([seed, epoch])
-        order = [int(i) for i in rng.permutation(len(examples))]
+        order = [int(i) for i in rng.permutation(len(lengths))]
         chunk = batch_size * bucket_batches
-        order = [i for s in range(0, len(order), chunk)
-                 for i in sorted(order[s:s + chunk], key=lambda j: len(examples[j].ids))]
+        order = [i for s in range(0, len(order), chunk) for i in sorted(order[s:s + chunk], key=lambda j: lengths[j])]
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     if shuffle:
         batches = [batches[int(i)] for i in rng.permutation(len(batches))]
-    return [collate([examples[i] for i in b], pad_id, multiple_of) for b in batches]
+    return batches
+
+
+def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1, bucket_batches=50):
+    """All batches of batch_plan, padded (the batch dicts of the contract). For dev sets and tests; the
+    training loop pads its batches one at a time."""
+    plan = batch_plan([len(e.ids) for e in examples], batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
+                      bucket_batches=bucket_batches)
+    return [collate([examples[i] for i in b], pad_id, multiple_of) for b in plan]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ the task's official metrics, atomic checkpoints, exact resume, torchrun / DDP.
 
 Exact resume: ckpt_last.pt holds the weights (G-Nets included), AdamW's state, every process's RNG states
 (python, numpy, torch, CUDA), the step and the position in the epoch (the batch order is a function of
-(seed, epoch), data.make_batches). The learning-rate schedule is a pure function of the step (lr_factor), so
+(seed, epoch), data.batch_plan). The learning-rate schedule is a pure function of the step (lr_factor), so
 restoring the step restores it. A run killed at any moment (SIGKILL too) and resumed with --resume ends
 bit-identical on the CPU to an uninterrupted one; log lines written after the last checkpoint are dropped.
 
@@ -634,10 +634,13 @@ def run(args):
     if micro < world or args.batch_size % (args.grad_accum * world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes ({args.grad_accum} x {world})")
 
+    train_lengths = [len(e.ids) for e in task.train]
+
     def epoch_batches(epoch):
-        # the epoch's batch order is a function of (seed, epoch): resuming mid-epoch only needs state["micro"]
-        bs = data.make_batches(task.train, micro, pad_id=tok.pad_id, seed=args.seed, epoch=epoch, multiple_of=mult)
-        return [b for b in bs if b["input_ids"].size(0) >= world]
+        # the epoch's batches as example indices, a function of (seed, epoch): resuming mid-epoch only needs
+        # state["micro"]; each batch is padded when it is used (data.collate)
+        plan = data.batch_plan(train_lengths, micro, seed=args.seed, epoch=epoch)
+        return [b for b in plan if len(b) >= world]
 
     per_epoch = len(epoch_batches(0)) // args.grad_accum
     if per_epoch == 0:
@@ -726,7 +729,7 @@ def run(args):
             raw.set_progress((step - 1) / total)
             loss_sum, stats, finite = 0.0, {}, True
             for i in range(args.grad_accum):
-                batch = batches[state["micro"] + i]
+                batch = data.collate([task.train[j] for j in batches[state["micro"] + i]], tok.pad_id, mult)
                 batch = {k: v[rank::world].to(device, non_blocking=True) for k, v in batch.items()}
                 seen += batch["input_ids"].size(0) * world
                 sync = i == args.grad_accum - 1 or world == 1

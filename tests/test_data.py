@@ -490,6 +490,9 @@ def test_make_batches():
         assert batch["labels"].dtype == torch.long and batch["token_type_ids"].abs().sum() == 0
         seen += len(lengths)
     assert seen == 500
+    plan = data.batch_plan([len(e.ids) for e in ex], 16, seed=7, epoch=2)     # what the training loop uses
+    assert sorted(i for b in plan for i in b) == list(range(500))           # every example once per epoch
+    assert all(torch.equal(data.collate([ex[i] for i in p], 1, 8)["input_ids"], x["input_ids"]) for p, x in zip(plan, a))
     # length bucketing: far less padding than random batches
     real = sum(b["attention_mask"].sum().item() for b in a)
     padded = sum(b["attention_mask"].numel() for b in a)
