@@ -394,17 +394,22 @@ def peak_rss():
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
 
 
+def long_step(spec, n):
+    """(Config, model, train-step function) of a scaling point: long_config of spec["kind"] at length n,
+    no attention dropout, hidden dropout 0.1, a random batch of spec["batch"]."""
+    seed_all()
+    cfg = long_config(spec["kind"], n, attn_dropout="none", hidden_dropout_p=0.1)
+    model = Model(cfg).to(spec["device"]).train()
+    batch = random_batch(spec["batch"], n, cfg.vocab_size, spec["device"])
+    return cfg, model, step_fn(model, batch, ours_hidden_loss, spec["device"])
+
+
 def child_measure(spec):
     """In the child: build, baseline memory, warm-up + timed steps, peak memory. Returns a dict.
     CPU: peak = peak RSS over the steps - RSS after the build (the peak mark is reset after the build);
     CUDA: torch.cuda.max_memory_allocated - memory_allocated after the build."""
     dev = spec["device"]
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    seed_all()
-    cfg = long_config(spec["kind"], spec["n"], attn_dropout="none", hidden_dropout_p=0.1)
-    model = Model(cfg).to(dev).train()
-    batch = random_batch(spec["batch"], spec["n"], cfg.vocab_size, dev)
+    cfg, model, fn = long_step(spec, spec["n"])
     if dev == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -412,7 +417,7 @@ def child_measure(spec):
     else:
         base = proc_status_kib("VmRSS") if reset_peak_rss() else peak_rss()
     steps = spec["steps"] if spec["n"] <= 8192 else 1          # 16k: one warm-up, one timed (long on CPU)
-    t = time_alternately({"step": step_fn(model, batch, ours_hidden_loss, dev)}, steps, 1, dev)["step"]
+    t = time_alternately({"step": fn}, steps, 1, dev)["step"]
     if dev == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
@@ -424,16 +429,8 @@ def child_measure(spec):
 def child_alternate(spec):
     """In the child: one model per length in spec["ns"] (same kind), train steps timed alternately
     (2k, 8k, 2k, 8k, ...), so that both lengths see the same machine. Returns {"times": {n: [s]}}."""
-    dev = spec["device"]
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    fns = {}
-    for n in spec["ns"]:
-        seed_all()
-        cfg = long_config(spec["kind"], n, attn_dropout="none", hidden_dropout_p=0.1)
-        model = Model(cfg).to(dev).train()
-        fns[str(n)] = step_fn(model, random_batch(spec["batch"], n, cfg.vocab_size, dev), ours_hidden_loss, dev)
-    return dict(spec, times=time_alternately(fns, spec["steps"], 1, dev))
+    fns = {str(n): long_step(spec, n)[2] for n in spec["ns"]}
+    return dict(spec, times=time_alternately(fns, spec["steps"], 1, spec["device"]))
 
 
 def run_child(spec):
@@ -670,6 +667,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args._child:
         spec = json.loads(args._child)
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
         print(json.dumps(child_alternate(spec) if "ns" in spec else child_measure(spec)))
         return
     if args.device == "cuda" and not torch.cuda.is_available():
