@@ -434,11 +434,10 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
     """Dev metrics of every split (the model in eval mode; one pass, original topology unless shift_by)."""
     raw.eval()
     out = {}
-    mult = raw.cfg.block_size if raw.cfg.attention != "dense" else 1
     for split, examples in task.dev.items():
         preds, labels, losses = [], [], []
-        for batch in data.make_batches(examples, args.batch_size, pad_id=tok.pad_id, seed=0, epoch=0,
-                                       shuffle=False, multiple_of=mult):
+        # padded to the longest example only: the model pads to its block size itself (Model.pad_to_block)
+        for batch in data.make_batches(examples, args.batch_size, pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
             batch = {k: v.to(device) for k, v in batch.items()}
             with autocast(device):
                 if task.num_labels == 0:
@@ -629,7 +628,6 @@ def run(args):
     seed_everything(args.seed + rank)       # nanoGPT: every process draws its own dropout masks
 
     # --- schedule -------------------------------------------------------------
-    mult = cfg.block_size if cfg.attention != "dense" else 1
     micro = args.batch_size // args.grad_accum
     if micro < world or args.batch_size % (args.grad_accum * world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes ({args.grad_accum} x {world})")
@@ -729,7 +727,8 @@ def run(args):
             raw.set_progress((step - 1) / total)
             loss_sum, stats, finite = 0.0, {}, True
             for i in range(args.grad_accum):
-                batch = data.collate([task.train[j] for j in batches[state["micro"] + i]], tok.pad_id, mult)
+                # padded to the longest example; the model pads to its block size (and SAR shifts) itself
+                batch = data.collate([task.train[j] for j in batches[state["micro"] + i]], tok.pad_id)
                 batch = {k: v[rank::world].to(device, non_blocking=True) for k, v in batch.items()}
                 seen += batch["input_ids"].size(0) * world
                 sync = i == args.grad_accum - 1 or world == 1

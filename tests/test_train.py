@@ -153,6 +153,15 @@ def test_warnings(listops_dir, tmp_path, capfd, extra, words):
     only_line(err, "warning: ", words)
 
 
+def test_block_padding_past_max_len_runs(listops_dir, tmp_path, capfd):
+    """From scratch the position table holds --max-len (+ the SAR shift) rows; a batch padded up to the block
+    size goes past it, and the padding must not need positions of its own (the model pads, and its padding
+    takes position 0). Examples of 20 tokens, blocks of 16: padded to 32 > 22 position rows."""
+    extra = ["--attention", "sparse", "--block-size", "16", "--max-len", "20", "--sar", "1", "--eval-shift", "1"]
+    code, _, err = run_main(listops_args(listops_dir, tmp_path / "p", steps=2) + extra, capfd)
+    assert code == 0 and err == [], err
+
+
 def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "a") + ["--max-len", "8", "--no-truncate"], capfd)
     assert code == 2
