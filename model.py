@@ -321,9 +321,12 @@ class Model(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
+        # our own position ids stay below max_positions whenever L <= max_len (SPEC 1), so only a longer input,
+        # or ids given by the caller, need the check (it reads a value off the device: a sync on CUDA)
+        check = position_ids is not None or L > self.cfg.max_len
         if position_ids is None:
             position_ids = self.position_ids(input_ids)
-        if int(position_ids.max()) >= self.cfg.max_positions:
+        if check and int(position_ids.max()) >= self.cfg.max_positions:
             raise ValueError(f"sequence of length {L} needs position {int(position_ids.max())} but the model has "
                              f"{self.cfg.max_positions} position rows (max length {self.cfg.max_len}); "
                              f"raise --max-positions (extends the table by copying) or truncate the input")

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ import data
 import sar
 from attendout import DropRateLogger, budget_loss, drop_rates
 from model import (CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict, read_checkpoint,
-                   safe_torch_load, save_atomic)
+                   save_atomic)
 
 # The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
 # scratch, with the project's ideas on (HST attention, SAR, AttendOut). Printed before it starts.
@@ -478,7 +478,8 @@ def autocast(device):
 # Checkpoints.
 
 def weights_finite(raw):
-    return all(bool(torch.isfinite(p).all()) for p in raw.parameters())
+    """No NaN / inf in any parameter (one read off the device, not one per tensor)."""
+    return bool(torch.stack([torch.isfinite(p).all() for p in raw.parameters()]).all())
 
 
 def save_checkpoint(path, raw, tok, optimizer, state, args, rngs):
@@ -501,9 +502,7 @@ def prepare_out(args):
         for f in os.listdir(args.out):
             if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
                 os.remove(os.path.join(args.out, f))
-    if args.resume:
-        if not os.path.exists(os.path.join(args.out, "ckpt_last.pt")):
-            fail(f"--resume: {args.out}/ckpt_last.pt does not exist")
+    if args.resume:                                  # run() has read its ckpt_last.pt already
         return
     if taken and not args.overwrite:
         fail(f"--out {args.out} holds another run (log.jsonl / checkpoints); pass --resume to continue it or "
@@ -576,12 +575,12 @@ def main(argv=None):
 
 def run(args):
     rank, world, device = setup_distributed(args)
-    resume_ckpt, resume_path, init = None, None, None
+    resume_ckpt, resume_path, resume_state, init = None, None, None, None
     if args.resume:
         resume_path = os.path.join(args.out, "ckpt_last.pt")
         if not os.path.exists(resume_path):
             fail(f"--resume: {resume_path} does not exist")
-        resume_ckpt = safe_torch_load(resume_path)
+        resume_cfg, resume_state, resume_tok, resume_ckpt = read_checkpoint(resume_path)   # as --init reads
         for k, v in resume_ckpt["args"].items():      # the run's own flags, except those given now
             if k not in args.given and k not in ("resume", "device"):
                 setattr(args, k, v)
@@ -592,10 +591,10 @@ def run(args):
 
     # --- data -----------------------------------------------------------------
     data_dir = task_data_dir(args)
-    stored = resume_ckpt["tokenizer"]["files"] if resume_ckpt is not None else (init[2] if init else None)
+    stored = resume_tok if resume_ckpt is not None else (init[2] if init else None)
     tok = load_tokenizer(args, data_dir, stored)
     if resume_ckpt is not None:
-        model_cfg = Config(**{k: v for k, v in resume_ckpt["config"].items() if k in {f.name for f in fields(Config)}})
+        model_cfg = resume_cfg
     else:
         model_cfg = None if init is None else apply_overrides(init[0], method_overrides(args))
     choose_max_len(args, model_cfg)
@@ -606,10 +605,10 @@ def run(args):
 
     # --- model ----------------------------------------------------------------
     if resume_ckpt is not None:
-        raw = build_model(model_cfg, resume_ckpt["model"], resume_path)
+        raw = build_model(model_cfg, resume_state, resume_path)
     else:
         raw = make_model(args, tok, task, init)
-    init = None                             # free the --init state dict
+    init = resume_state = None              # free the --init / resumed state dict
     cfg = raw.cfg
     check_flags(args, cfg, task)
     raw.to(device)
