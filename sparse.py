@@ -148,21 +148,21 @@ class GatherChunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src, *idxs):
         B, N, e = src.shape
-        ctx.save_for_backward(*idxs)
-        ctx.src_shape = src.shape
         offset = torch.arange(B, device=src.device)[:, None] * N                  # batch b -> rows b N ..
+        rows = [(offset + i).reshape(-1) for i in idxs]                            # rows of src [B N, e]
+        ctx.save_for_backward(*rows)
+        ctx.src_shape = src.shape
         flat = src.reshape(B * N, e)
-        return tuple(flat.index_select(0, (offset + i).reshape(-1)).view(B, -1, e) for i in idxs)
+        return tuple(flat.index_select(0, r).view(B, -1, e) for r in rows)
 
     @staticmethod
     def backward(ctx, *grads):
         B, N, e = ctx.src_shape
         some = next(gr for gr in grads if gr is not None)                           # for dtype and device
-        offset = torch.arange(B, device=some.device)[:, None] * N
         grad = some.new_zeros(B * N, e)                                              # the one buffer
-        for i, gr in zip(ctx.saved_tensors, grads):
+        for r, gr in zip(ctx.saved_tensors, grads):
             if gr is not None:
-                grad.index_add_(0, (offset + i).reshape(-1), gr.reshape(-1, e))
+                grad.index_add_(0, r, gr.reshape(-1, e))
         return (grad.view(B, N, e),) + (None,) * len(grads)
 
 
@@ -232,7 +232,8 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
         return torch.matmul(queries(a), gather_keys(c, flat, m).transpose(-1, -2))
 
-    if drop_fn is None and dropout_p == 0:  # no dropout: the fused path, [B, H, m, bq, d]
+    fused = drop_fn is None and dropout_p == 0       # no dropout: PyTorch's fused attention, scores never stored
+    if fused:                                        # the block layout, [B, H, m, bq, d]
         # without HST, row_ok only masks the global query rows, which are replaced below: keys alone suffice
         ok = valid_keys & row_ok if with_reps else valid_keys                       # [B, H, m, bq or 1, K]
         out = _stage1_fused(queries(q), k, v, flat.view(H, m, K), ok)
@@ -245,7 +246,7 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
         def pair_global(a, c):                       # [B, H, g, L]
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
 
-        if drop_fn is None and dropout_p == 0:                                     # fused, as above
+        if fused:
             out_g = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
         else:
             out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
