@@ -115,14 +115,16 @@ class HFTokenizer:
         self._truncating = {}  # max_len -> a copy of tok with HF's longest_first truncation
 
     def encode_plus(self, text, pair=None, max_len=None):
-        enc = self.tok.encode(text, pair)
-        if max_len is not None and len(enc.ids) > max_len:
-            if max_len not in self._truncating:
-                t = Tokenizer.from_str(self.tok.to_str())
-                t.enable_truncation(max_len, strategy="longest_first")
-                self._truncating[max_len] = t
-            enc = self._truncating[max_len].encode(text, pair)
+        tok = self.tok if max_len is None else self._truncating_at(max_len)
+        enc = tok.encode(text, pair)           # truncation leaves an input within max_len as it is
         return list(enc.ids), list(enc.type_ids)
+
+    def _truncating_at(self, max_len):
+        if max_len not in self._truncating:
+            t = Tokenizer.from_str(self.tok.to_str())
+            t.enable_truncation(max_len, strategy="longest_first")
+            self._truncating[max_len] = t
+        return self._truncating[max_len]
 
     def encode(self, text, pair=None):
         return self.encode_plus(text, pair)[0]
@@ -660,18 +662,50 @@ def read_mlm(paths, tokenizer, max_len, stats):
     return examples
 
 
+def _train_path(name, data_dir, train_file):
+    """The training file of a GLUE task or of "tsv" (--train-file wins)."""
+    if train_file:
+        return train_file
+    if name in TASKS:
+        return os.path.join(data_dir, TASKS[name]["train"])
+    return _find_split(data_dir, "train")
+
+
+def _mlm_paths(data_dir, train_file=None, dev_file=None):
+    """(training text files, dev text files) of the mlm task: --train-file, else a folder's train.txt, else its
+    other .txt files (not dev.txt / valid.txt), else --data itself; dev: --dev-file, dev.txt or valid.txt."""
+    if train_file:
+        train_paths = [train_file]
+    elif os.path.isdir(data_dir):
+        train_paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir)
+                             if f.endswith(".txt") and f not in ("dev.txt", "valid.txt"))
+        if os.path.isfile(os.path.join(data_dir, "train.txt")):
+            train_paths = [os.path.join(data_dir, "train.txt")]
+    else:
+        train_paths = [data_dir]
+    if not train_paths or not all(os.path.isfile(p) for p in train_paths):
+        raise DataError(f"{data_dir}: no .txt files for mlm")
+    dev_paths = [dev_file] if dev_file else []
+    for n in ("dev.txt", "valid.txt"):
+        if not dev_paths and os.path.isdir(data_dir) and os.path.isfile(os.path.join(data_dir, n)):
+            dev_paths = [os.path.join(data_dir, n)]
+    return train_paths, dev_paths
+
+
 def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_col=None, train_file=None):
     """The raw training texts of a task (both sides of pairs), to train a from-scratch SentencePiece model."""
     name = task.lower().replace("-", "")
     if name in TASKS:
-        records, _ = read_glue(name, train_file or os.path.join(data_dir, TASKS[name]["train"]))
+        records, _ = read_glue(name, _train_path(name, data_dir, train_file))
     elif name == "tsv":
-        records = read_generic(train_file or _find_split(data_dir, "train"), text_col=text_col, label_col=label_col,
+        records = read_generic(_train_path(name, data_dir, train_file), text_col=text_col, label_col=label_col,
                                text_pair_col=text_pair_col)
     elif name == "mlm":
-        path = train_file or (os.path.join(data_dir, "train.txt") if os.path.isdir(data_dir) else data_dir)
-        with open(path, encoding="utf-8-sig") as f:
-            return [line.strip() for line in f if line.strip()]
+        texts = []
+        for path in _mlm_paths(data_dir, train_file)[0]:          # the files load_task trains on
+            with open(path, encoding="utf-8-sig") as f:
+                texts += [line.strip() for line in f if line.strip()]
+        return texts
     else:
         raise DataError(f"task {task!r} has no text to train a tokenizer on")
     return [t for _, text, pair, _ in records for t in (text, pair) if t]
@@ -685,7 +719,7 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
     if name in TASKS:
         spec = TASKS[name]
         label_index = {s: i for i, s in enumerate(spec["labels"])} if spec["labels"] else None
-        train_path = train_file or os.path.join(data_dir, spec["train"])
+        train_path = _train_path(name, data_dir, train_file)
         dev_paths = {"dev": dev_file} if dev_file else {k: os.path.join(data_dir, v) for k, v in spec["dev"].items()}
         records, n_skipped = read_glue(name, train_path)
         train = _labelled_examples(records, tokenizer, max_len, label_index, stats)
@@ -704,7 +738,7 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
             if os.path.isfile(data_dir):
                 raise DataError(f"{data_dir}: task tsv needs a folder with train/dev files, or --train-file "
                                 "and --dev-file")
-        train_path = train_file or _find_split(data_dir, "train")
+        train_path = _train_path(name, data_dir, train_file)
         dev_path = dev_file or _find_split(data_dir, "dev")
         kw = dict(text_col=text_col, label_col=label_col, text_pair_col=text_pair_col, header=header,
                   max_len=max_len)
@@ -717,21 +751,7 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
         dev = read_listops(dev_file or os.path.join(data_dir, "basic_val.tsv"), tokenizer, max_len, stats)
         return TaskData(train, {"dev": dev}, 10, False, "acc", [str(d) for d in range(10)], stats["truncated"])
     if name == "mlm":
-        if train_file:
-            train_paths = [train_file]
-        elif os.path.isdir(data_dir):
-            train_paths = sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir)
-                                 if f.endswith(".txt") and f not in ("dev.txt", "valid.txt"))
-            if os.path.isfile(os.path.join(data_dir, "train.txt")):
-                train_paths = [os.path.join(data_dir, "train.txt")]
-        else:
-            train_paths = [data_dir]
-        if not train_paths or not all(os.path.isfile(p) for p in train_paths):
-            raise DataError(f"{data_dir}: no .txt files for mlm")
-        dev_paths = [dev_file] if dev_file else []
-        for n in ("dev.txt", "valid.txt"):
-            if not dev_paths and os.path.isdir(data_dir) and os.path.isfile(os.path.join(data_dir, n)):
-                dev_paths = [os.path.join(data_dir, n)]
+        train_paths, dev_paths = _mlm_paths(data_dir, train_file, dev_file)
         train = read_mlm(train_paths, tokenizer, max_len, stats)
         if not train:
             raise DataError(f"{train_paths[0]}:1: empty file")

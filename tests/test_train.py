@@ -124,6 +124,19 @@ def test_mlm_runs_and_its_loss_falls(tmp_path, capfd):
     assert load_pretrained(str(out / "ckpt_last.pt")).cls is None
 
 
+def test_mlm_from_a_folder_of_text_files(tmp_path, capfd):
+    """An mlm folder without train.txt trains on its other .txt files; the from-scratch tokenizer is trained on
+    those same files (it used to look for train.txt alone and stop with a traceback)."""
+    folder = tmp_path / "books"
+    folder.mkdir()
+    for name in ("part1.txt", "part2.txt", "dev.txt"):
+        (folder / name).write_text("the cat sat on the mat\na dog ran to the red house\n" * 20)
+    code, _, err = run_main(["--task", "mlm", "--data", str(folder), "--vocab-size", "20", "--out",
+                             str(tmp_path / "o"), *TINY, "--max-steps", "2", "--batch-size", "8"], capfd)
+    assert code == 0 and err == [], err
+    assert json.loads((tmp_path / "o" / "final.json").read_text())["steps"] == 2
+
+
 def test_flags_exist():
     flags = {s for a in train.make_parser()._actions for s in a.option_strings}
     wanted = ("--task --data --init --out --epochs --max-steps --batch-size --lr --warmup --weight-decay --seed "
