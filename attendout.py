@@ -11,7 +11,14 @@ Four methods, chosen by `--attn-dropout` (config.attn_dropout) and built by `mak
   scheduled  Bernoulli dropout with rate p_l(t): "linear:P_LOW:P_HIGH" or replayed from a droprates.jsonl
   attendout  the G-Net (SPEC 3.1, reconstructed) applied through the kernel hook drop_fn(A, valid, pair_scores)
 
-The trainer adds `budget_loss(model)` to the task loss and may log `drop_rates(model)` with DropRateLogger;
+Where the G-Net mask is: `AttendOut.hook` (below) returns drop_fn; drop_fn computes the drop logits Z and
+calls `RelaxedDrop`, which samples the keep mask k and returns A * k / (1 - pi). The kernels call drop_fn on
+the attention probabilities right after the softmax (model.dense_attention, sparse._attend).
+
+The mean drop rate is a constraint, not a penalty: after every optimizer step the trainer calls
+`hold_budget(model)`, which shifts every layer's G-Net bias by one common amount so that the mean drop
+probability over layers, heads and real (query, key) pairs is back at the budget rho (methods.md §3.1).
+`drop_rates(model)` gives the per-layer rates of the last training forward (DropRateLogger writes them);
 `export_without_gnet(state_dict)` removes the G-Net before exporting a fine-tuned model.
 
 Run the tests: python -m pytest tests/test_attendout.py -q
@@ -281,32 +288,35 @@ class AttendOut(AttnDropout):
             raise ValueError(f"attendout needs 0 <= attn_dropout_p < 1, got {p0}")
         self.gnet = GNet(config.hidden_size, config.num_heads, config.gnet_dim, p0)  # name == GNET
         self.tau = float(config.gnet_tau)
-        self.lam = float(config.gnet_lambda)
-        self.rho = float(config.gnet_budget if config.gnet_budget is not None else p0)
+        rho = float(config.gnet_budget if config.gnet_budget is not None else p0)
+        if not 0.0 <= rho < 1.0:
+            raise ValueError(f"the G-Net budget must be in [0, 1), got {rho} (--gnet-budget)")
+        self.rho = max(rho, P0_MIN)   # as for p0: a budget of exactly 0 has no finite logit to hold
         self.reverse = True       # gradient reversal on the mask path (False only for tests/ablation)
         self.reset_stats()
-        self.last_rate = None     # detached mean pi of the last consumed forward (for logging)
 
     @property
     def needs_hook(self):
         return self.training
 
     def reset_stats(self):
-        # sum of pi over valid pairs and their count, accumulated over every drop_fn call (all layout pieces,
-        # both HST stages, both passes of SAR / R-Drop) until budget_loss consumes them
-        self.pi_sum, self.pi_count = None, None
+        """Forget the drop statistics. The model calls this at the start of every training forward, so they
+        always describe exactly one forward: all layout pieces, both HST stages, both SAR / R-Drop views."""
+        self.pi_sum, self.pi_count = None, None   # sum of pi over the real (query, key) pairs, and their count
 
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
         a, c = self.gnet.features(x)  # [B, H, L, d_g + 1] each, computed once per forward
 
         def drop_fn(A, valid, pair_scores):
-            # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid bool, broadcastable to A
+            # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid: bool, broadcastable to A, True for
+            # the real (query, key) pairs the pattern allows (padding rows and columns are False)
             Z = pair_scores(a, c).float()        # SPEC 3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
             pi = torch.sigmoid(Z)                # drop probability pi
-            s, n = masked_sum(pi, valid)         # budget statistics over the real (query, key) pairs
-            self.pi_sum = s if self.pi_sum is None else self.pi_sum + s
-            self.pi_count = n if self.pi_count is None else self.pi_count + n
+            with torch.no_grad():                # statistics for the budget and the log: plain numbers,
+                s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
+                self.pi_sum = s if self.pi_sum is None else self.pi_sum + s
+                self.pi_count = n if self.pi_count is None else self.pi_count + n
             Zr = grad_reverse(Z) if self.reverse else Z  # mask path: G-Net receives -dL_task/dZ
             # A' = A * k / (1 - pi).detach(); invalid pairs have A = 0 and stay exactly 0
             return RelaxedDrop.apply(A, Zr, pi.detach(), self.tau)
@@ -314,13 +324,13 @@ class AttendOut(AttnDropout):
         return drop_fn
 
     def mean_pi(self):
-        """Mean drop probability over the valid pairs of the current forward (with graph), or None."""
+        """Mean drop probability over the real pairs of the last training forward (a 0-dim tensor), or None."""
         if self.pi_sum is None:
             return None
         return self.pi_sum / self.pi_count.clamp_min(1.0)
 
     def extra_repr(self):
-        return f"tau={self.tau}, lambda={self.lam}, rho={self.rho}, reverse={self.reverse}"
+        return f"tau={self.tau}, rho={self.rho}, reverse={self.reverse}"
 
 
 def attendout_modules(modules):
@@ -330,36 +340,62 @@ def attendout_modules(modules):
     return [m for m in modules if isinstance(m, AttendOut)]
 
 
-def budget_loss(modules):
-    """SPEC 3.1 budget: lambda * (mean_l mean(pi_l) - rho)^2, no gradient reversal.
+def budget_shift(rates, rho):
+    """The common logit shift delta with mean_l sigmoid(logit(r_l) + delta) = rho (bisection; 0-dim floats).
 
-    mean(pi_l) is over layer l's heads and valid (query, key) pairs of every drop_fn call since the last
-    budget_loss (normally: the step's training forward; with SAR / R-Drop both passes; with HST both
-    stages). Layers that did not run (LayerDrop) are left out. The statistics are consumed (reset, the
-    detached value kept for drop_rates): call it once per training forward(s), before backward; a training
-    loop that does not use the budget should call reset_stats() on the modules instead.
-    Returns a 0-dim tensor (0 when there is nothing to regularise).
-    """
+    Each layer's mean rate r_l is treated as if all its pairs had that probability; the mean over layers is
+    increasing in delta, so bisection finds it. Within-layer spread makes this slightly approximate; the next
+    step measures again and corrects the rest."""
+    z = torch.logit(torch.tensor(rates, dtype=torch.float64).clamp(1e-6, 1 - 1e-6))   # [L']
+    lo, hi = -30.0, 30.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if torch.sigmoid(z + mid).mean() < rho:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+@torch.no_grad()
+def hold_budget(modules, all_reduce=None):
+    """SPEC 3.1 budget (reconstructed): hold the mean drop rate at rho, exactly enough, after every step.
+
+        m     = mean_l mean_{heads, real pairs} pi_l           (last training forward; layers that ran)
+        delta : mean_l sigmoid(logit(m_l) + delta) = rho       (budget_shift)
+        beta_l <- beta_l + delta   for every layer l
+
+    A projection onto the budget: the common level of the drop rates is set by the constraint, while what the
+    G-Net learns (which layers, heads and pairs drop more, by the reversed task gradient) is left as it is,
+    since every layer moves by the same delta. A penalty lambda (m - rho)^2 could not hold the level against
+    the reversed task gradient, which keeps pushing every rate up (the model then drops what it needs most).
+    Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so every replica shifts
+    by the same delta. Returns (m, delta), or None when no AttendOut layer ran."""
     mods = attendout_modules(modules)
-    rates = []
+    if not mods:
+        return None
+    dev = mods[0].gnet.beta.device
+    zero = torch.zeros((), device=dev)
+    stats = torch.stack([torch.stack([m.pi_sum if m.pi_sum is not None else zero,
+                                      m.pi_count if m.pi_count is not None else zero]) for m in mods])  # [L, 2]
+    if all_reduce is not None:
+        all_reduce(stats)
+    stats = stats.double().cpu()
+    ran = stats[:, 1] > 0
+    if not bool(ran.any()):
+        return None
+    rates = (stats[ran, 0] / stats[ran, 1]).tolist()          # m_l of the layers that ran
+    mean, delta = sum(rates) / len(rates), budget_shift(rates, mods[0].rho)
     for m in mods:
-        r = m.mean_pi()
-        if r is not None:
-            m.last_rate = r.detach()
-            rates.append(r)
-        m.reset_stats()
-    if not rates:
-        return torch.zeros((), device=mods[0].gnet.beta.device) if mods else torch.zeros(())
-    lam, rho = mods[0].lam, mods[0].rho
-    return lam * (torch.stack(rates).mean() - rho) ** 2
+        m.gnet.beta.add_(delta)
+    return mean, delta
 
 
 def drop_rates(modules):
-    """Last mean drop probability per AttendOut layer, as floats (nan for a layer that never ran)."""
+    """Mean drop probability per AttendOut layer in the last training forward, as floats (nan: did not run)."""
     out = []
     for m in attendout_modules(modules):
         r = m.mean_pi()
-        r = r.detach() if r is not None else m.last_rate
         out.append(float(r) if r is not None else float("nan"))
     return out
 
@@ -373,13 +409,15 @@ class DropRateLogger:
         if not append:                      # a resumed run (append=True) keeps its earlier lines
             open(self.path, "w").close()
 
-    def log(self, step, step_frac, rates):
-        """rates: a model / list of modules (-> drop_rates) or a list of floats. Returns True if written."""
+    def log(self, step, step_frac, rates, **extra):
+        """rates: a model / list of modules (-> drop_rates) or a list of floats; extra: more numbers for the
+        line (the trainer adds "mean" and the budget's "shift"). Returns True if written."""
         if step % self.log_interval != 0:
             return False
         if isinstance(rates, nn.Module) or any(isinstance(r, nn.Module) for r in rates):
             rates = drop_rates(rates)
-        rec = {"step": int(step), "step_frac": float(step_frac), "drop_rate": [float(r) for r in rates]}
+        rec = {"step": int(step), "step_frac": float(step_frac), "drop_rate": [float(r) for r in rates],
+               **{k: float(v) for k, v in extra.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return True

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-from attendout import make_attn_dropout
+from attendout import attendout_modules, make_attn_dropout
 from sparse import block_sparse_attention, hst_attention
 
 
@@ -61,8 +61,8 @@ class Config:
     attn_dropout: str = "standard"    # "standard" | "none" | "attendout" | "scheduled"
     gnet_dim: int = 16                # d_g, G-Net projection size per head
     gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
-    gnet_budget: float | None = None  # rho, the mean drop-rate budget; None: use attn_dropout_p
-    gnet_lambda: float = 1.0          # weight of the budget term
+    gnet_budget: float | None = None  # rho, the mean drop rate the G-Nets are held at; None: attn_dropout_p
+    gnet_lr: float = 1e-3             # the G-Net's own peak learning rate (AdamW, no decay, same schedule)
     schedule: str = ""                # scheduled dropout: a droprates.jsonl FILE or "linear:P_LOW:P_HIGH"
     layerdrop: float = 0.0            # LayerDrop: skip a whole layer with this probability (training)
     attn_layerdrop: float = 0.0       # Attn.LayerDrop: skip only the attention sub-layer (training)
@@ -113,14 +113,14 @@ def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, drop_fn=None):
         mask = None if key_mask is None else key_mask[:, None, None, :]           # [B, 1, 1, L]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))                       # [B, H, L, L]
-    valid = None
     if key_mask is not None:
-        valid = key_mask[:, None, None, :]                                         # [B, 1, 1, L]
-        scores = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
+        scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+        real_pairs = key_mask[:, None, :, None] & key_mask[:, None, None, :]       # [B, 1, L, L]
+    else:
+        real_pairs = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     A = scores.softmax(dim=-1)                                                     # [B, H, L, L]
-    if valid is None:
-        valid = torch.ones_like(A[:1, :1, :1, :], dtype=torch.bool)
-    A = drop_fn(A, valid, lambda a, c: a @ c.transpose(-1, -2))                     # G-Net's mask, SPEC 3.1
+    # G-Net's mask (SPEC 3.1); real_pairs tells it which pairs count for its drop-rate statistics
+    A = drop_fn(A, real_pairs, lambda a, c: a @ c.transpose(-1, -2))
     return A @ v                                                                   # [B, H, L, d_h]
 
 
@@ -175,22 +175,28 @@ class Attention(nn.Module):
         g.manual_seed(1_000_003 * (self.layer_idx + 1))
         return g
 
-    def forward(self, x, key_mask, kernel):
+    def forward(self, x, key_mask, kernel, views=1):
         # x: [B, L, d] (for HST, L = n tokens + m representatives); key_mask: [B, n] bool or None
+        # views: the batch holds this many views of one batch, stacked (SAR / R-Drop: 2); each gets its own
+        # sparse-kernel call below, and so its own random blocks (SPEC 2.3: the shifted view re-draws them)
         B, L, d = x.shape
         H, dh = self.cfg.num_heads, self.cfg.head_dim
         # split, not one permute of [B, L, 3, H, d_h]: the backward is then one cat of the three gradients
         # (a permute's backward would stack and then copy them again)
         q, k, v = (t.view(B, L, H, dh).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))  # 3 x [B, H, L, d_h]
-        p, drop_fn = self.dropout_plan(x)
         if kernel == "dense":
-            y = dense_attention(q, k, v, key_mask, p, drop_fn)
+            y = dense_attention(q, k, v, key_mask, *self.dropout_plan(x))
         else:
             sparse_kernel = block_sparse_attention if kernel == "sparse" else hst_attention
             c = self.cfg
-            y = sparse_kernel(q, k, v, key_mask, block_size=c.block_size, window=c.window,
-                              num_global=c.num_global, num_random=c.num_random,
-                              generator=self.eval_generator(x.device), dropout_p=p, drop_fn=drop_fn)
+            ys = []
+            masks = key_mask.chunk(views) if key_mask is not None else [None] * views
+            for xv, qv, kv, vv, mv in zip(x.chunk(views), q.chunk(views), k.chunk(views), v.chunk(views), masks):
+                p, drop_fn = self.dropout_plan(xv)
+                ys.append(sparse_kernel(qv, kv, vv, mv, block_size=c.block_size, window=c.window,
+                                        num_global=c.num_global, num_random=c.num_random,
+                                        generator=self.eval_generator(x.device), dropout_p=p, drop_fn=drop_fn))
+            y = torch.cat(ys) if views > 1 else ys[0]                          # [B, H, L, d_h]
         y = y.transpose(1, 2).reshape(B, L, d)                                 # [B, L, d]
         return self.out(y)
 
@@ -227,14 +233,14 @@ class Layer(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.drop = nn.Dropout(cfg.hidden_dropout_p)
 
-    def forward(self, x, key_mask, rep_mask=None):
+    def forward(self, x, key_mask, rep_mask=None, views=1):
         cfg = self.cfg
         # LayerDrop (SPEC 3.3): skip the whole layer; Attn.LayerDrop: skip only its attention branch.
         if self.training and cfg.layerdrop > 0 and torch.rand(()) < cfg.layerdrop:
             return x
         skip_attn = self.training and cfg.attn_layerdrop > 0 and torch.rand(()) < cfg.attn_layerdrop
         if not skip_attn:
-            x = self.ln1(x + self.drop(self.attn(x, key_mask, cfg.attention)))      # stage 1 / plain
+            x = self.ln1(x + self.drop(self.attn(x, key_mask, cfg.attention, views)))  # stage 1 / plain
             if cfg.attention == "hst":                                            # stage 2, SPEC 2.2
                 n = x.size(1) - rep_mask.size(1)
                 r = x[:, n:]                                                      # R1: [B, m, d]
@@ -314,9 +320,15 @@ class Model(nn.Module):
                 F.pad(position_ids, (0, extra), value=pad_pos), F.pad(token_type_ids, (0, extra), value=0))
 
     # --- the encoder --------------------------------------------------------------
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None):
-        """Last hidden states [B, L, d] for input_ids [B, L] (attention_mask: 1 = real token)."""
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, views=1):
+        """Last hidden states [B, L, d] for input_ids [B, L] (attention_mask: 1 = real token). views: the batch
+        is that many views of one batch stacked along B (sar.two_views); each draws its own random blocks."""
         B, L = input_ids.shape
+        if B % views:
+            raise ValueError(f"a batch of {B} cannot hold {views} views of equal size")
+        if self.training:                 # AttendOut's drop statistics describe exactly this forward
+            for m in attendout_modules(self):
+                m.reset_stats()
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if token_type_ids is None:
@@ -339,7 +351,7 @@ class Model(nn.Module):
         if self.cfg.attention == "hst":
             x, rep_mask = self.add_representatives(x, key_mask)                      # [B, n + m, d]
         for layer in self.layers:
-            x = layer(x, key_mask, rep_mask)
+            x = layer(x, key_mask, rep_mask, views)
         return x[:, :L]                                                             # drop block padding and R
 
     def add_representatives(self, x, key_mask):
@@ -357,13 +369,13 @@ class Model(nn.Module):
         h = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
         return self.mlm(h, self.emb.word.weight)                                    # [B, L, vocab]
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, head="cls"):
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, head="cls", views=1):
         """Classifier / regression logits [B, num_labels] from the first token (head="mlm": mlm_logits)."""
         if head == "mlm":
             return self.mlm_logits(input_ids, attention_mask, token_type_ids, position_ids)
         if self.cls is None:
             raise ValueError("this model has no classifier head (num_labels = 0); use mlm_logits or encode")
-        return self.cls(self.encode(input_ids, attention_mask, token_type_ids, position_ids))
+        return self.cls(self.encode(input_ids, attention_mask, token_type_ids, position_ids, views))
 
     # --- method bookkeeping ---------------------------------------------------------
     def attn_dropouts(self):

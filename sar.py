@@ -57,7 +57,8 @@ def two_views(model, batch, shift_by):
 
     Both views go through the model as ONE batch of 2B: the original is padded on the right by shift_by
     (padding at the end moves no block boundary that a real token sees), the shifted view gets its
-    padding after the first token. Random blocks and dropout are drawn independently for the two halves."""
+    padding after the first token. views=2 tells the model so: each half gets its own sparse-kernel call,
+    and so its own random blocks (SPEC 2.3: re-drawn for the shifted view); dropout masks differ anyway."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     types = batch.get("token_type_ids")
     pos = model.position_ids(ids)
@@ -70,12 +71,15 @@ def two_views(model, batch, shift_by):
     else:
         s_ids, s_mask, s_pos, s_types = ids, mask, pos, types
     cat = lambda a, b: None if a is None else torch.cat([a, b], dim=0)
-    z = model(cat(ids, s_ids), cat(mask, s_mask), cat(types, s_types), cat(pos, s_pos))     # [2B, C]
+    z = model(cat(ids, s_ids), cat(mask, s_mask), cat(types, s_types), cat(pos, s_pos), views=2)  # [2B, C]
     return z.chunk(2, dim=0)
 
 
 def sar_loss(model, batch, alpha=1.0, shift_by=1, regression=False):
     """SAR (SPEC 2.3): CE on both topologies + alpha * symmetric KL between them."""
+    if shift_by < 1:
+        raise ValueError(f"--sar-shift {shift_by}: SAR needs a shift of at least 1 token (a shift of 0 moves no "
+                         "block boundary: that is R-Drop, --rdrop)")
     z1, z2 = two_views(model, batch, shift_by)
     return paired_loss(z1, z2, batch["labels"], alpha, regression)
 

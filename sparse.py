@@ -102,8 +102,10 @@ def gather_keys(c, flat, m):
     return c.reshape(B, H * L, e).index_select(1, flat).view(B, H, m, -1, e)
 
 
-def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores):
-    """softmax(q k^T / sqrt(d_h) masked by valid) v, any leading layout. q [.., Q, d], k/v [.., K, d]."""
+def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores, real_rows=None):
+    """softmax(q k^T / sqrt(d_h) masked by valid) v, any leading layout. q [.., Q, d], k/v [.., K, d].
+    real_rows (bool, broadcastable to [.., Q, 1]): which query rows are real tokens; drop_fn counts only
+    real (query, key) pairs in its statistics."""
     invalid = ~valid
     s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))   # [.., Q, K]  SPEC 1
     # Mask with a finite fill (no NaN), in place and outside autograd: softmax already gives a masked score
@@ -113,7 +115,8 @@ def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores):
         s.masked_fill_(invalid, torch.finfo(s.dtype).min)
     A = s.softmax(dim=-1)                                                        # [.., Q, K]
     if drop_fn is not None:
-        A = drop_fn(A.masked_fill(invalid, 0.0), valid, pair_scores)  # AttendOut hook (CONTRACT), own layout
+        real_pairs = valid if real_rows is None else valid & real_rows
+        A = drop_fn(A.masked_fill(invalid, 0.0), real_pairs, pair_scores)  # AttendOut hook (CONTRACT), own layout
     elif dropout_p > 0:
         A = F.dropout(A, dropout_p, training=True)
     out = torch.matmul(A, v)                                                     # [.., Q, d]
@@ -239,8 +242,11 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
         out = _stage1_fused(queries(q), k, v, flat.view(H, m, K), ok)
     else:
         valid = valid_keys & row_ok                                                 # [B, H, m, bq, K]
+        real_rows = real[:, :n].view(B, 1, m, b, 1)                                 # real query tokens
+        if with_reps:                                                               # and real R_j rows
+            real_rows = torch.cat([real_rows, real[:, n:].view(B, 1, m, 1, 1)], dim=3)  # [B, 1, m, bq, 1]
         out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
-                      pair_local)                                                   # [B, H, m, bq, d]
+                      pair_local, real_rows)                                        # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
     if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
         def pair_global(a, c):                       # [B, H, g, L]
@@ -249,7 +255,8 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
         if fused:
             out_g = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
         else:
-            out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
+            out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global,
+                            real[:, None, :g, None])
         tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                     # [B, H, n, d]
     if not with_reps:
         return tok_out

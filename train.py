@@ -22,12 +22,9 @@ How to run it:
   python train.py --resume --out out/run          # continue a stopped / killed run
 """
 import argparse
-import io
 import json
 import math
 import os
-import random
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -37,14 +34,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import data
 import sar
-from attendout import DropRateLogger, budget_loss, drop_rates
-from model import (CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict, read_checkpoint,
-                   save_atomic)
+from attendout import GNET, DropRateLogger, drop_rates, hold_budget
+from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, check_replicas, fail, gather_rng_states,
+                   is_main, prepare_out, public_args, rng_state, save_checkpoint, seed_everything, set_rng_state,
+                   setup_distributed, trim_log, warn, weights_finite)
+from model import CheckpointError, Config, Model, apply_overrides, build_model, read_checkpoint
 
 # The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
 # scratch, with the project's ideas on (HST attention, SAR, AttendOut). Printed before it starts.
@@ -56,7 +54,7 @@ DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60,
 
 
 # -----------------------------------------------------------------------------
-# Flags. Model and method flags default to None: "keep the checkpoint's value, or Config's default".
+# 1. Flags. Model and method flags default to None: "keep the checkpoint's value, or Config's default".
 
 def make_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -118,8 +116,9 @@ def make_parser():
     g.add_argument("--attn-dropout", choices=["standard", "none", "attendout", "scheduled"], default=None)
     g.add_argument("--attn-dropout-p", type=float, default=None, help="p0: standard rate and G-Net's starting rate")
     g.add_argument("--hidden-dropout-p", type=float, default=None, help="dropout on embeddings and residual branches")
-    g.add_argument("--gnet-budget", type=float, default=None, help="rho, G-Net's mean drop-rate budget (default p0)")
-    g.add_argument("--gnet-lambda", type=float, default=None, help="weight of the budget term")
+    g.add_argument("--gnet-budget", type=float, default=None,
+                   help="rho: the G-Nets' mean drop rate is held here after every step (default p0)")
+    g.add_argument("--gnet-lr", type=float, default=None, help="the G-Nets' own peak learning rate (default 1e-3)")
     g.add_argument("--gnet-tau", type=float, default=None, help="relaxed-Bernoulli temperature")
     g.add_argument("--gnet-dim", type=int, default=None, help="d_g, G-Net projection size per head")
     g.add_argument("--schedule", default=None, help="scheduled dropout: a droprates.jsonl or linear:P_LOW:P_HIGH")
@@ -135,7 +134,7 @@ def make_parser():
 
 # flag name -> Config field, for the flags that mirror Config
 CONFIG_FLAGS = ("ffn_chunk", "attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
-                "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lambda", "gnet_tau", "gnet_dim",
+                "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lr", "gnet_tau", "gnet_dim",
                 "schedule", "layerdrop", "attn_layerdrop")
 
 
@@ -153,102 +152,8 @@ def parse_args(argv):
     return args
 
 
-def fail(msg, code=2):
-    """One clear line, no traceback."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-def warn(msg):
-    if is_main():
-        tqdm.write(f"warning: {msg}", file=sys.stderr)
-
-
 # -----------------------------------------------------------------------------
-# Distributed (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK), seeding, RNG state for exact resume.
-
-def setup_distributed(args):
-    """(rank, world size, device). One process, or one of torchrun's (NCCL on GPUs, gloo on the CPU)."""
-    if "RANK" not in os.environ:
-        return 0, 1, resolve_device(args.device)
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    device = resolve_device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-class DDP(DistributedDataParallel):
-    """DDP that also answers the wrapped Model's attributes (sar.py reads model.cfg and model.position_ids)."""
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
-
-
-def all_true(flag, device, world):
-    """A bool that every process agrees on: True only if it is True on all of them."""
-    if world == 1:
-        return bool(flag)
-    t = torch.tensor([float(bool(flag))], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
-def check_replicas(raw, device, world):
-    """End of a torchrun run: DDP keeps the replicas in step, so every process must hold rank 0's weights.
-    Compared through a per-tensor checksum (sum and sum of squares, float64), broadcast from rank 0."""
-    mine = torch.stack([s for p in raw.parameters() for s in (p.detach().double().sum(), p.detach().double().square().sum())])
-    ref = mine.clone()
-    dist.broadcast(ref, 0)
-    if not all_true(torch.equal(mine, ref), device, world):
-        fail(f"process {dist.get_rank()}: the replicas' weights differ after training (DDP out of step)", code=1)
-
-
-def is_main():
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def resolve_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {name}: CUDA is not available here")
-    return torch.device(name)
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state():
-    """Every RNG the run draws from, as plain tensors / lists (safe to load with weights_only=True)."""
-    np_state = np.random.get_state()
-    return {"python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(s):
-    py = s["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np.random.set_state((s["numpy"][0], s["numpy"][1].numpy(), *s["numpy"][2:]))
-    torch.set_rng_state(s["torch"])
-    if torch.cuda.is_available() and s["cuda"]:
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
-# -----------------------------------------------------------------------------
-# Data and model.
+# 2. Data and model: where the examples, the tokenizer and the weights come from.
 
 def task_data_dir(args):
     """--data, or (ListOps) the small demo set, generated on first use."""
@@ -354,6 +259,9 @@ def check_flags(args, cfg, task):
     """Contradictory or useless flag combinations: fail, or warn, in one line each (errors first)."""
     if args.sar > 0 and args.rdrop > 0:
         fail("--sar and --rdrop are alternatives; give one")
+    if args.sar_shift < 1:
+        fail(f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token (0 moves no block boundary; "
+             "for two unshifted views use --rdrop)")
     if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
         fail("--sar / --rdrop need a classification or regression task, not mlm")
     if cfg.attn_dropout == "scheduled" and not cfg.schedule:
@@ -365,7 +273,7 @@ def check_flags(args, cfg, task):
     if cfg.attention != "dense" and cfg.block_size > longest:
         warn(f"--block-size {cfg.block_size} is larger than the longest sequence ({longest} tokens): every sequence "
              "is one block (sparse attention is then dense)")
-    if cfg.attn_dropout != "attendout" and any(f in args.given for f in ("gnet_budget", "gnet_lambda", "gnet_tau", "gnet_dim")):
+    if cfg.attn_dropout != "attendout" and any(f in args.given for f in ("gnet_budget", "gnet_lr", "gnet_tau", "gnet_dim")):
         warn("--gnet-* flags have no effect without --attn-dropout attendout")
     model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
     if args.resume and model_flags:
@@ -373,12 +281,22 @@ def check_flags(args, cfg, task):
 
 
 # -----------------------------------------------------------------------------
-# Optimizer and schedule (nanoGPT's recipe).
+# 3. Optimizer and schedule (nanoGPT's recipe).
 
 def make_optimizer(model, args, device):
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]  # biases, LayerNorm, scalars
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW in three groups: weight matrices (decayed), biases / LayerNorm / scalars (not decayed), and the
+    G-Nets (AttendOut), which learn at their own rate cfg.gnet_lr without decay. Each group's peak rate is
+    its "base_lr"; the schedule scales all of them by the same factor (lr_factor)."""
+    def is_gnet(name):
+        return GNET in name.split(".")
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in params if not is_gnet(n) and p.dim() >= 2]
+    no_decay = [p for n, p in params if not is_gnet(n) and p.dim() < 2]         # biases, LayerNorm, scalars
+    gnet = [p for n, p in params if is_gnet(n)]
+    groups = [{"params": decay, "weight_decay": args.weight_decay, "base_lr": args.lr},
+              {"params": no_decay, "weight_decay": 0.0, "base_lr": args.lr}]
+    if gnet:
+        groups.append({"params": gnet, "weight_decay": 0.0, "base_lr": model.cfg.gnet_lr})
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
 
 
@@ -389,8 +307,16 @@ def lr_factor(step, total, warmup):
     return max(0.0, (total - step) / max(1, total - warmup))
 
 
+def set_lr(optimizer, factor):
+    """Every group at factor x its own peak rate (the backbone's --lr, the G-Nets' --gnet-lr). Returns the
+    backbone's rate (logged as "lr")."""
+    for grp in optimizer.param_groups:
+        grp["lr"] = grp["base_lr"] * factor
+    return optimizer.param_groups[0]["lr"]
+
+
 # -----------------------------------------------------------------------------
-# Losses and evaluation.
+# 4. Losses and evaluation: what one training step minimises, and how a checkpoint is scored.
 
 def mlm_loss(model, batch, tok):
     """Masked-LM: 15% of real tokens selected, 80/10/10 mask/random/keep (data.mask_tokens), CE on them."""
@@ -408,25 +334,22 @@ def special_ids(tok):
 
 
 def compute_loss(model, raw, batch, args, task, tok):
-    """The training loss and the numbers worth logging. model: what runs the forward (DDP / compiled), raw: the
-    Model itself (for attributes)."""
-    stats = {}
+    """The training loss and its parts worth logging. model: what runs the forward (DDP / compiled), raw: the
+    Model itself (for attributes). AttendOut adds no term here: its budget is held after the optimizer step
+    (train_step, attendout.hold_budget)."""
+    parts = {}
     if task.num_labels == 0:
         loss = mlm_loss(model, batch, tok)
-    elif args.sar > 0:
+    elif args.sar > 0:        # SAR (methods.md §2.3): both topologies, CE + alpha * symmetric KL
         loss, ce, cons = sar.sar_loss(model, batch, args.sar, args.sar_shift, task.is_regression)
-        stats.update(ce=ce.item(), consistency=cons.item())
-    elif args.rdrop > 0:
+        parts.update(ce=ce.item(), consistency=cons.item())
+    elif args.rdrop > 0:      # R-Drop: two unshifted views
         loss, ce, cons = sar.rdrop_loss(model, batch, args.rdrop, task.is_regression)
-        stats.update(ce=ce.item(), consistency=cons.item())
+        parts.update(ce=ce.item(), consistency=cons.item())
     else:
         logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
         loss = sar.task_loss(logits, batch["labels"], task.is_regression)
-    if raw.cfg.attn_dropout == "attendout":
-        b = budget_loss(raw)                            # SPEC 3.1: lambda (mean_l mean(pi_l) - rho)^2
-        loss = loss + b.to(loss.device)
-        stats["gnet_budget"] = b.item()
-    return loss, stats
+    return loss, parts
 
 
 @torch.no_grad()
@@ -475,90 +398,9 @@ def autocast(device):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints.
-
-def weights_finite(raw):
-    """No NaN / inf in any parameter (one read off the device, not one per tensor)."""
-    return bool(torch.stack([torch.isfinite(p).all() for p in raw.parameters()]).all())
-
-
-def save_checkpoint(path, raw, tok, optimizer, state, args, rngs):
-    """Atomic write (model.save_atomic: temporary file, then rename); never writes non-finite weights.
-    rngs: the RNG states of every process, by rank."""
-    if not weights_finite(raw):
-        raise FloatingPointError(f"refusing to write {path}: the weights hold NaN/inf")
-    save_atomic(checkpoint_dict(raw, data.files_to_tensors(tok.files), train_state=state,
-                                optimizer=optimizer.state_dict(), rng=rngs, args=public_args(args)), path)
-
-
-def public_args(args):
-    return {k: v for k, v in vars(args).items() if k != "given"}
-
-
-def prepare_out(args):
-    """--out holding another run is refused unless --resume or --overwrite."""
-    taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
-    if is_main() and os.path.isdir(args.out):       # a run killed while saving leaves a half-written temp file
-        for f in os.listdir(args.out):
-            if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
-                os.remove(os.path.join(args.out, f))
-    if args.resume:                                  # run() has read its ckpt_last.pt already
-        return
-    if taken and not args.overwrite:
-        fail(f"--out {args.out} holds another run (log.jsonl / checkpoints); pass --resume to continue it or "
-             "--overwrite to replace it")
-    if is_main():
-        os.makedirs(args.out, exist_ok=True)
-        for f in ("log.jsonl", "droprates.jsonl", "final.json", "ckpt_last.pt", "ckpt_best.pt"):
-            if os.path.exists(os.path.join(args.out, f)):
-                os.remove(os.path.join(args.out, f))
-
-
-def trim_log(path, step):
-    """Resume: keep the JSON lines of steps <= the checkpoint's step. A killed run may have logged (or half
-    written) lines after its last checkpoint; the resumed run writes them again."""
-    if not os.path.exists(path):
-        return
-    keep = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue                                  # a line cut short by the kill
-            if rec.get("step", 0) <= step:
-                keep.append(json.dumps(rec) + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-
-
-# -----------------------------------------------------------------------------
-# The loop.
-
-class StopFlag:
-    """Ctrl-C / SIGTERM: finish the current step, save ckpt_last.pt, exit cleanly. A second Ctrl-C aborts.
-    Under torchrun every process stops at the same step (requested() agrees across processes)."""
-
-    def __init__(self, device, world):
-        self.stop, self.device, self.world = False, device, world
-
-    def __enter__(self):
-        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-
-    def handle(self, signum, frame):
-        if self.stop and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.stop = True
-
-    def requested(self):
-        return not all_true(not self.stop, self.device, self.world)
-
+# 5. The run, top to bottom: setup, then the loop (one optimizer step at a time, with evaluation and
+#    checkpoints on their schedule), then the report. Plumbing (processes, RNG capture, the run folder,
+#    atomic checkpoint writes, Ctrl-C) lives in infra.py.
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -574,259 +416,325 @@ def main(argv=None):
 
 
 def run(args):
-    rank, world, device = setup_distributed(args)
-    resume_ckpt, resume_path, resume_state, init = None, None, None, None
-    if args.resume:
-        resume_path = os.path.join(args.out, "ckpt_last.pt")
-        if not os.path.exists(resume_path):
-            fail(f"--resume: {resume_path} does not exist")
-        resume_cfg, resume_state, resume_tok, resume_ckpt = read_checkpoint(resume_path)   # as --init reads
-        for k, v in resume_ckpt["args"].items():      # the run's own flags, except those given now
-            if k not in args.given and k not in ("resume", "device"):
-                setattr(args, k, v)
-    elif args.init != "scratch":
-        init = read_init(args)
+    r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
+    train(r)                     # the loop; returns when the last step is done or a stop was asked for
+    if r.state["step"] == r.total and is_main():
+        report(r)
+
+
+class Run:
+    """What one run holds. setup() fills it; the loop's functions read it and update `state`.
+    `state` is the part that ckpt_last.pt saves (with the weights, AdamW and the RNGs): the step, the epoch and
+    the position in it, the best dev score so far, the last dev metrics, skipped batches, wall time."""
+    args = rank = world = device = tok = task = raw = model = optimizer = None
+    total = warmup = per_epoch = 0
+    state = None
+    paths = None                 # log.jsonl, droprates.jsonl, ckpt_last.pt, ckpt_best.pt inside --out
+
+
+def setup(args):
+    r = Run()
+    r.args = args
+    r.rank, r.world, r.device = setup_distributed(args)
+    # --- a resumed run takes its own flags back (except those given now), its weights, tokenizer and state
+    resumed = read_resume(args)
+    init = read_init(args) if resumed is None and args.init != "scratch" else None
     prepare_out(args)
     seed_everything(args.seed)
 
-    # --- data -----------------------------------------------------------------
+    # --- data: the tokenizer (the checkpoint's own, ListOps' or a SentencePiece model), then the task
     data_dir = task_data_dir(args)
-    stored = resume_tok if resume_ckpt is not None else (init[2] if init else None)
-    tok = load_tokenizer(args, data_dir, stored)
-    if resume_ckpt is not None:
-        model_cfg = resume_cfg
-    else:
-        model_cfg = None if init is None else apply_overrides(init[0], method_overrides(args))
+    stored_tok = resumed["tokenizer"] if resumed else (init[2] if init else None)
+    r.tok = load_tokenizer(args, data_dir, stored_tok)
+    model_cfg = resumed["config"] if resumed else (None if init is None else apply_overrides(init[0], method_overrides(args)))
     choose_max_len(args, model_cfg)
-    task = data.load_task(args.task, data_dir, tok, max_len=args.max_len, text_col=args.text_col,
-                          text_pair_col=args.text_pair_col, label_col=args.label_col,
-                          train_file=args.train_file, dev_file=args.dev_file)
-    check_data(args, task, data_dir)
+    r.task = data.load_task(args.task, data_dir, r.tok, max_len=args.max_len, text_col=args.text_col,
+                            text_pair_col=args.text_pair_col, label_col=args.label_col,
+                            train_file=args.train_file, dev_file=args.dev_file)
+    check_data(args, r.task, data_dir)
 
-    # --- model ----------------------------------------------------------------
-    if resume_ckpt is not None:
-        raw = build_model(model_cfg, resume_state, resume_path)
-    else:
-        raw = make_model(args, tok, task, init)
-    init = resume_state = None              # free the --init / resumed state dict
-    cfg = raw.cfg
-    check_flags(args, cfg, task)
-    raw.to(device)
-    if task.num_labels > 0:
-        raw.mlm.requires_grad_(False)       # heads that this task does not train stay out of the optimizer
-    elif raw.cls is not None:
-        raw.cls.requires_grad_(False)
-    model = raw
-    if args.compile:
-        model = torch.compile(model)
-    if world > 1:
+    # --- the model: from the resumed checkpoint, --init (converted weights + flag overrides) or scratch
+    r.raw = (build_model(model_cfg, resumed["model"], resumed["path"]) if resumed
+             else make_model(args, r.tok, r.task, init))
+    init = None                                   # free the --init state dict
+    check_flags(args, r.raw.cfg, r.task)
+    r.raw.to(r.device)
+    if r.task.num_labels > 0:
+        r.raw.mlm.requires_grad_(False)           # heads that this task does not train stay out of the optimizer
+    elif r.raw.cls is not None:
+        r.raw.cls.requires_grad_(False)
+    r.model = torch.compile(r.raw) if args.compile else r.raw      # what runs the forward: compiled / DDP
+    if r.world > 1:
         # frozen heads have requires_grad False, so only LayerDrop leaves trained parameters without a gradient
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    find_unused_parameters=cfg.layerdrop > 0 or cfg.attn_layerdrop > 0)
-    model.train()
-    seed_everything(args.seed + rank)       # nanoGPT: every process draws its own dropout masks
+        c = r.raw.cfg
+        r.model = DDP(r.model, device_ids=[r.device.index] if r.device.type == "cuda" else None,
+                      find_unused_parameters=c.layerdrop > 0 or c.attn_layerdrop > 0)
+    r.model.train()
+    seed_everything(args.seed + r.rank)           # nanoGPT: every process draws its own dropout masks
 
-    # --- schedule -------------------------------------------------------------
+    # --- the schedule: steps per epoch from the batch plan, total steps, warmup
     micro = args.batch_size // args.grad_accum
-    if micro < world or args.batch_size % (args.grad_accum * world):
-        fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes ({args.grad_accum} x {world})")
-
-    train_lengths = [len(e.ids) for e in task.train]
-
-    def epoch_batches(epoch):
-        # the epoch's batches as example indices, a function of (seed, epoch): resuming mid-epoch only needs
-        # state["micro"]; each batch is padded when it is used (data.collate)
-        plan = data.batch_plan(train_lengths, micro, seed=args.seed, epoch=epoch)
-        return [b for b in plan if len(b) >= world]
-
-    per_epoch = len(epoch_batches(0)) // args.grad_accum
-    if per_epoch == 0:
-        fail(f"{len(task.train)} training examples make no full step of --batch-size {args.batch_size}")
-    total = args.max_steps if args.max_steps > 0 else max(1, int(args.epochs * per_epoch))
-    warmup = int(args.warmup * total) if args.warmup < 1 else int(args.warmup)
-    optimizer = make_optimizer(raw, args, device)
-    # dev: the last evaluation's metrics; saved_step: the step of ckpt_last.pt
-    state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "skipped": 0, "wall": 0.0,
-             "dev": {}, "saved_step": None}
-    if resume_ckpt is not None:
-        optimizer.load_state_dict(resume_ckpt["optimizer"])
-        state.update(resume_ckpt["train_state"])
-        rngs = resume_ckpt["rng"]
-        if len(rngs) != world:
-            warn(f"--resume: the run had {len(rngs)} processes, now {world}: the data split and RNG streams change")
-        set_rng_state(rngs[rank % len(rngs)])
-        del resume_ckpt
-
+    if micro < r.world or args.batch_size % (args.grad_accum * r.world):
+        fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
+             f"({args.grad_accum} x {r.world})")
+    r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum
+    if r.per_epoch == 0:
+        fail(f"{len(r.task.train)} training examples make no full step of --batch-size {args.batch_size}")
+    r.total = args.max_steps if args.max_steps > 0 else max(1, int(args.epochs * r.per_epoch))
+    r.warmup = int(args.warmup * r.total) if args.warmup < 1 else int(args.warmup)
+    r.optimizer = make_optimizer(r.raw, args, r.device)
+    r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "skipped": 0, "wall": 0.0,
+               "dev": {}, "saved_step": None}     # saved_step: the step that ckpt_last.pt holds
+    r.paths = {name: os.path.join(args.out, name)
+               for name in ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "ckpt_best.pt", "final.json")}
+    if resumed:
+        restore(r, resumed)
     if is_main():
-        print(f"task {args.task}: {len(task.train)} train examples, dev {', '.join(f'{k} {len(v)}' for k, v in task.dev.items())}; "
-              f"model {raw.num_params() / 1e6:.2f}M parameters, attention {cfg.attention}, attn-dropout {cfg.attn_dropout}; "
-              f"{total} steps on {device}" + (f" x {world} processes" if world > 1 else "")
-              + (f"; resuming at step {state['step']}" if args.resume else ""), flush=True)
-    log_path, gnet_path = os.path.join(args.out, "log.jsonl"), os.path.join(args.out, "droprates.jsonl")
-    last_path = os.path.join(args.out, "ckpt_last.pt")
-    if args.resume and is_main():
-        trim_log(log_path, state["step"])
-        trim_log(gnet_path, state["step"])
-    gnet_log = DropRateLogger(gnet_path, args.log_every, append=args.resume) \
-        if cfg.attn_dropout == "attendout" and is_main() else None
+        t = r.task
+        print(f"task {args.task}: {len(t.train)} train examples, dev {', '.join(f'{k} {len(v)}' for k, v in t.dev.items())}; "
+              f"model {r.raw.num_params() / 1e6:.2f}M parameters, attention {r.raw.cfg.attention}, "
+              f"attn-dropout {r.raw.cfg.attn_dropout}; {r.total} steps on {r.device}"
+              + (f" x {r.world} processes" if r.world > 1 else "")
+              + (f"; resuming at step {r.state['step']}" if args.resume else ""), flush=True)
+    return r
 
-    def log(rec):
-        if is_main():
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
 
-    def do_eval(step):
-        """Dev metrics (rank 0), logged; a better main metric writes ckpt_best.pt."""
-        metrics = evaluate(raw, task, args, device, tok) if task.dev else {}
-        if args.eval_shift and task.dev:
-            shifted = evaluate(raw, task, args, device, tok, shift_by=args.eval_shift)
-            for split, m in shifted.items():
-                metrics[split].update({f"{k}_shifted": v for k, v in m.items()})
-        if not metrics:
-            return metrics
-        log({"step": step, "dev": metrics})
-        state["dev"] = metrics
-        score = main_metric(metrics, task)
-        if (state["best"] is None or score > state["best"]) and weights_finite(raw):
-            state["best"], state["best_step"] = score, step
-            save_checkpoint(os.path.join(args.out, "ckpt_best.pt"), raw, tok, optimizer, state, args, [rng_state()])
-        return metrics
+def read_resume(args):
+    """--resume: the run's ckpt_last.pt (config, weights, tokenizer, optimizer, state, RNGs), read as --init
+    reads a checkpoint; the run's own flags fill in every flag not given now. None without --resume."""
+    if not args.resume:
+        return None
+    path = os.path.join(args.out, "ckpt_last.pt")
+    if not os.path.exists(path):
+        fail(f"--resume: {path} does not exist")
+    cfg, state, tok_files, ckpt = read_checkpoint(path)
+    for k, v in ckpt["args"].items():
+        if k not in args.given and k not in ("resume", "device"):
+            setattr(args, k, v)
+    return {"path": path, "config": cfg, "model": state, "tokenizer": tok_files, "ckpt": ckpt}
 
-    def save_last():
-        """ckpt_last.pt, everything --resume needs. Every process calls it: their RNG states are gathered."""
-        if not all_true(weights_finite(raw), device, world):
-            stop_nonfinite(f"non-finite weights after step {state['step']}")
-        state["wall"] = time.time() - t0
-        rngs = [rng_state()]
-        if world > 1:                       # tensors travel as torch.save bytes (all_gather_object pickles)
-            buf, blobs = io.BytesIO(), [None] * world
-            torch.save(rngs[0], buf)
-            dist.all_gather_object(blobs, buf.getvalue())
-            rngs = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
-        if is_main():
-            save_checkpoint(last_path, raw, tok, optimizer, {**state, "saved_step": state["step"]}, args, rngs)
-        state["saved_step"] = state["step"]
 
-    def stop_nonfinite(what):
-        good = f"{last_path} (step {state['saved_step']})" if state["saved_step"] is not None else "none written yet"
-        fail(f"{what}; last good checkpoint: {good}; lower --lr, or pass --skip-nonfinite to skip such batches", code=1)
+def restore(r, resumed):
+    """Continue where ckpt_last.pt stopped: AdamW, the loop state, this process's RNGs; logs written after
+    the checkpoint are dropped (the resumed run writes them again)."""
+    ckpt = resumed["ckpt"]
+    r.optimizer.load_state_dict(ckpt["optimizer"])
+    r.state.update(ckpt["train_state"])
+    rngs = ckpt["rng"]
+    if len(rngs) != r.world:
+        warn(f"--resume: the run had {len(rngs)} processes, now {r.world}: the data split and RNG streams change")
+    set_rng_state(rngs[r.rank % len(rngs)])
+    if is_main():
+        trim_log(r.paths["log.jsonl"], r.state["step"])
+        trim_log(r.paths["droprates.jsonl"], r.state["step"])
 
+
+def epoch_batches(r, epoch):
+    """The epoch's batches as lists of example indices, a function of (seed, epoch) (data.batch_plan), so
+    resuming mid-epoch needs only state["micro"]. Each batch is padded when it is used (data.collate)."""
+    plan = data.batch_plan([len(e.ids) for e in r.task.train], r.args.batch_size // r.args.grad_accum,
+                           seed=r.args.seed, epoch=epoch)
+    return [b for b in plan if len(b) >= r.world]
+
+
+# --- the loop -----------------------------------------------------------------
+
+def train(r):
+    """Optimizer steps until r.total (or Ctrl-C / SIGTERM). After each step: log it, evaluate on schedule
+    (which may write ckpt_best.pt), then write ckpt_last.pt on schedule; everything logged up to a step is
+    in that step's ckpt_last.pt."""
+    args, state = r.args, r.state
     use_bar = is_main() and sys.stderr.isatty()        # a log file gets plain lines instead of a progress bar
-    t0 = time.time() - state["wall"]
-    bar = tqdm(total=total, initial=state["step"], disable=not use_bar, dynamic_ncols=True, desc=args.task)
-    seen, t_last, bad_in_row, batches, batches_epoch = 0, time.time(), 0, None, None
-    with StopFlag(device, world) as stop:
-        while state["step"] < total and not stop.requested():
+    bar = tqdm(total=r.total, initial=state["step"], disable=not use_bar, dynamic_ncols=True, desc=args.task)
+    gnet_log = (DropRateLogger(r.paths["droprates.jsonl"], args.log_every, append=args.resume)
+                if r.raw.cfg.attn_dropout == "attendout" and is_main() else None)
+    meter = {"t0": time.time() - state["wall"], "seen": 0, "t_last": time.time(), "bad_in_row": 0}
+    batches, batches_epoch = None, None
+    with StopFlag(r.device, r.world) as stop:
+        while state["step"] < r.total and not stop.requested():
             if batches_epoch != state["epoch"]:
-                batches, batches_epoch = epoch_batches(state["epoch"]), state["epoch"]
-            step = state["step"] + 1            # the step being taken; log.jsonl counts steps from 1
-            lr = args.lr * lr_factor(step - 1, total, warmup)
-            for grp in optimizer.param_groups:
-                grp["lr"] = lr
-            raw.set_progress((step - 1) / total)
-            loss_sum, stats, finite = 0.0, {}, True
-            for i in range(args.grad_accum):
-                # padded to the longest example; the model pads to its block size (and SAR shifts) itself
-                batch = data.collate([task.train[j] for j in batches[state["micro"] + i]], tok.pad_id)
-                batch = {k: v[rank::world].to(device, non_blocking=True) for k, v in batch.items()}
-                seen += batch["input_ids"].size(0) * world
-                sync = i == args.grad_accum - 1 or world == 1
-                with (nullcontext() if sync else model.no_sync()), autocast(device):
-                    loss, stats = compute_loss(model, raw, batch, args, task, tok)
-                finite = all_true(torch.isfinite(loss.detach()), device, world)
-                if not finite:
-                    break
-                (loss / args.grad_accum).backward()
-                loss_sum += loss.item() / args.grad_accum
-            # the batches are consumed, stepped or skipped; the epoch ends when no full step is left
-            state["micro"] += args.grad_accum
-            epoch_done = state["micro"] + args.grad_accum > len(batches)
-            if epoch_done:
-                state["epoch"], state["micro"] = state["epoch"] + 1, 0
-            gnorm, what = None, "loss"
-            if finite:
-                # clip (or, with --clip 0, only measure): a finite loss can still give inf/NaN gradients
-                gnorm = torch.nn.utils.clip_grad_norm_(raw.parameters(), args.clip if args.clip > 0 else float("inf"))
-                finite, what = bool(torch.isfinite(gnorm)), "gradient"
-            if not finite:
-                optimizer.zero_grad(set_to_none=True)
-                if not args.skip_nonfinite:
-                    bar.close()
-                    stop_nonfinite(f"non-finite {what} at step {step} (lr {lr:.3g})")
-                state["skipped"] += 1
-                bad_in_row += 1
-                warn(f"non-finite {what} at step {step}: batch skipped ({state['skipped']} so far)")
-                if bad_in_row > per_epoch:
-                    stop_nonfinite(f"non-finite loss on every batch for a whole epoch (step {step})")
+                batches, batches_epoch = epoch_batches(r, state["epoch"]), state["epoch"]
+            step = state["step"] + 1                    # the step being taken; log.jsonl counts steps from 1
+            numbers, epoch_done = train_step(r, batches, step, meter, bar)
+            if numbers is None:                         # a non-finite batch, skipped (--skip-nonfinite)
                 continue
-            bad_in_row = 0
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             state["step"] = step
             bar.update(1)
-
-            if step % args.log_every == 0 or step == total:
-                now = time.time()
-                rate = seen / max(now - t_last, 1e-9)
-                seen, t_last = 0, now
-                rec = {"step": step, "loss": loss_sum, "lr": lr, "examples_per_s": rate, **stats}
-                if gnorm is not None:
-                    rec["grad_norm"] = float(gnorm)
-                log(rec)
-                bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", ex_s=f"{rate:.0f}")
-                if is_main() and not use_bar:
-                    print(f"step {step}/{total}: loss {loss_sum:.4f}, lr {lr:.2e}, {rate:.0f} examples/s", flush=True)
+            log_step(r, step, numbers, meter, bar, use_bar)
             if gnet_log is not None:
-                gnet_log.log(step, step / total, drop_rates(raw))
-            if step == total and world > 1:
-                check_replicas(raw, device, world)
-            # evaluate, then checkpoint: everything logged up to a step is in that step's ckpt_last.pt
-            if step == total or (args.eval_every and step % args.eval_every == 0) or (not args.eval_every and epoch_done):
+                gnet_log.log(step, step / r.total, drop_rates(r.raw), **numbers.get("budget", {}))
+            if step == r.total and r.world > 1:
+                check_replicas(r.raw, r.device, r.world)
+            if step == r.total or (args.eval_every and step % args.eval_every == 0) or (not args.eval_every and epoch_done):
                 if is_main():
-                    metrics = do_eval(step)
-                    if metrics:
-                        bar.write(f"step {step}: dev {json.dumps(metrics)}")
-                if world > 1:
+                    evaluate_and_keep_best(r, step, bar)
+                if r.world > 1:
                     dist.barrier()
-            if step == total or (args.save_every and step % args.save_every == 0):
-                save_last()
+            if step == r.total or (args.save_every and step % args.save_every == 0):
+                save_last(r, meter)
         bar.close()
-        if state["step"] < total:               # Ctrl-C / SIGTERM
+        if state["step"] < r.total:                 # Ctrl-C / SIGTERM: save, say how to continue
             if state["saved_step"] != state["step"]:
-                save_last()
+                save_last(r, meter)
             if is_main():
-                print(f"stopped at step {state['step']}: saved {last_path}; continue with --resume --out {args.out}")
-            return
+                print(f"stopped at step {state['step']}: saved {r.paths['ckpt_last.pt']}; "
+                      f"continue with --resume --out {args.out}")
+
+
+def train_step(r, batches, step, meter, bar):
+    """One optimizer step: forward and backward over --grad-accum micro-batches, clip, AdamW, and AttendOut's
+    budget. Returns (the step's numbers, or None if the batch was skipped as non-finite; epoch_done)."""
+    args, state = r.args, r.state
+    lr_now = set_lr(r.optimizer, lr_factor(step - 1, r.total, r.warmup))   # warmup, then linear decay
+    r.raw.set_progress((step - 1) / r.total)    # scheduled dropout follows training progress
+    loss_sum, parts, finite = 0.0, {}, True
+    for i in range(args.grad_accum):
+        # padded to the longest example; the model pads to its block size (and SAR shifts) itself
+        batch = data.collate([r.task.train[j] for j in batches[state["micro"] + i]], r.tok.pad_id)
+        batch = {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in batch.items()}
+        meter["seen"] += batch["input_ids"].size(0) * r.world
+        sync = i == args.grad_accum - 1 or r.world == 1
+        with (nullcontext() if sync else r.model.no_sync()), autocast(r.device):
+            loss, parts = compute_loss(r.model, r.raw, batch, args, r.task, r.tok)
+        finite = all_true(torch.isfinite(loss.detach()), r.device, r.world)
+        if not finite:
+            break
+        (loss / args.grad_accum).backward()
+        loss_sum += loss.item() / args.grad_accum
+    # the batches are consumed, stepped or skipped; the epoch ends when no full step is left
+    state["micro"] += args.grad_accum
+    epoch_done = state["micro"] + args.grad_accum > len(batches)
+    if epoch_done:
+        state["epoch"], state["micro"] = state["epoch"] + 1, 0
+    gnorm, what = None, "loss"
+    if finite:
+        # clip (or, with --clip 0, only measure): a finite loss can still give inf/NaN gradients
+        gnorm = torch.nn.utils.clip_grad_norm_(r.raw.parameters(), args.clip if args.clip > 0 else float("inf"))
+        finite, what = bool(torch.isfinite(gnorm)), "gradient"
+    if not finite:
+        r.optimizer.zero_grad(set_to_none=True)
+        if not args.skip_nonfinite:
+            bar.close()
+            stop_nonfinite(r, f"non-finite {what} at step {step} (lr {lr_now:.3g})")
+        state["skipped"] += 1
+        meter["bad_in_row"] += 1
+        warn(f"non-finite {what} at step {step}: batch skipped ({state['skipped']} so far)")
+        if meter["bad_in_row"] > r.per_epoch:
+            stop_nonfinite(r, f"non-finite loss on every batch for a whole epoch (step {step})")
+        return None, epoch_done
+    meter["bad_in_row"] = 0
+    r.optimizer.step()
+    r.optimizer.zero_grad(set_to_none=True)
+    numbers = {"loss": loss_sum, "lr": lr_now, "grad_norm": float(gnorm), **parts}
+    if r.raw.cfg.attn_dropout == "attendout":
+        # AttendOut's budget (methods.md §3.1): shift every G-Net bias so the mean drop rate is back at rho
+        held = hold_budget(r.raw, all_reduce_sum)
+        if held is not None:
+            numbers["drop"] = held[0]
+            numbers["budget"] = {"mean": held[0], "shift": held[1]}
+    return numbers, epoch_done
+
+
+def log_step(r, step, numbers, meter, bar, use_bar):
+    """Every --log-every steps: a log.jsonl line and the console line, with the loss in its parts."""
+    if not (step % r.args.log_every == 0 or step == r.total):
+        return
+    now = time.time()
+    rate = meter["seen"] / max(now - meter["t_last"], 1e-9)
+    meter["seen"], meter["t_last"] = 0, now
+    rec = {"step": step, **{k: v for k, v in numbers.items() if k != "budget"}, "examples_per_s": rate}
+    append_jsonl(r.paths["log.jsonl"], rec)
+    shown = console_parts(numbers, r.args)
+    bar.set_postfix_str(", ".join(shown) + f", {rate:.0f} ex/s")
+    if is_main() and not use_bar:
+        print(f"step {step}/{r.total}: " + ", ".join(shown) + f", lr {numbers['lr']:.2e}, {rate:.0f} examples/s",
+              flush=True)
+
+
+def console_parts(numbers, args):
+    """The loss as the reader should see it: task loss, consistency term and drop rate apart, not only summed."""
+    shown = []
+    if "ce" in numbers:          # SAR / R-Drop: loss = ce + alpha * consistency
+        alpha = args.sar if args.sar > 0 else args.rdrop
+        shown += [f"ce {numbers['ce']:.4f}", f"consistency {numbers['consistency']:.4f} (x{alpha:g})"]
+    else:
+        shown.append(f"loss {numbers['loss']:.4f}")
+    if "drop" in numbers:        # AttendOut: the mean drop rate the budget holds
+        shown.append(f"drop {numbers['drop']:.3f}")
+    return shown
+
+
+def evaluate_and_keep_best(r, step, bar):
+    """Dev metrics (rank 0; and with --eval-shift, again with the topology shifted), logged; a better main
+    metric writes ckpt_best.pt."""
+    args, task, state = r.args, r.task, r.state
+    if not task.dev:
+        return
+    metrics = evaluate(r.raw, task, args, r.device, r.tok)
+    if args.eval_shift:
+        shifted = evaluate(r.raw, task, args, r.device, r.tok, shift_by=args.eval_shift)
+        for split, m in shifted.items():
+            metrics[split].update({f"{k}_shifted": v for k, v in m.items()})
+    append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
+    state["dev"] = metrics
+    score = main_metric(metrics, task)
+    if (state["best"] is None or score > state["best"]) and weights_finite(r.raw):
+        state["best"], state["best_step"] = score, step
+        save_checkpoint(r.paths["ckpt_best.pt"], r.raw, r.tok, r.optimizer, state, args, [rng_state()])
+    bar.write(f"step {step}: dev {json.dumps(metrics)}")
+
+
+def save_last(r, meter):
+    """ckpt_last.pt: everything --resume needs. Every process calls it (their RNG states are gathered)."""
+    if not all_true(weights_finite(r.raw), r.device, r.world):
+        stop_nonfinite(r, f"non-finite weights after step {r.state['step']}")
+    r.state["wall"] = time.time() - meter["t0"]
+    rngs = gather_rng_states(r.world)
     if is_main():
-        report(args, task, cfg, state)
+        save_checkpoint(r.paths["ckpt_last.pt"], r.raw, r.tok, r.optimizer,
+                        {**r.state, "saved_step": r.state["step"]}, r.args, rngs)
+    r.state["saved_step"] = r.state["step"]
 
 
-def majority_baseline(task):
-    """Accuracy of always predicting the most common training label, on the first dev split."""
-    if task.is_regression or task.num_labels == 0:
+def stop_nonfinite(r, what):
+    s = r.state["saved_step"]
+    good = f"{r.paths['ckpt_last.pt']} (step {s})" if s is not None else "none written yet"
+    fail(f"{what}; last good checkpoint: {good}; lower --lr, or pass --skip-nonfinite to skip such batches", code=1)
+
+
+# --- the report -----------------------------------------------------------------
+
+def majority_baseline(task, task_name):
+    """The task's main metric for always predicting the most common training label, on the first dev split
+    (so a CoLA run compares its MCC with the majority class's MCC, 0, not with its accuracy)."""
+    if task.is_regression or task.num_labels == 0 or not task.dev:
         return None
     counts = np.bincount([e.label for e in task.train], minlength=task.num_labels)
-    dev = next(iter(task.dev.values()))
-    return float(np.mean([e.label == int(counts.argmax()) for e in dev]))
+    labels = np.array([e.label for e in next(iter(task.dev.values()))])
+    return data.compute_metrics(task_name, np.full_like(labels, int(counts.argmax())), labels)[task.metric_name]
 
 
-def report(args, task, cfg, state):
-    """final.json and the one-line summary."""
+def report(r):
+    """final.json and the summary line: the last and the best dev score, beside the majority-class baseline."""
+    args, task, state = r.args, r.task, r.state
     metrics, best = state["dev"], state["best"]
     final = {"task": args.task, "metric": task.metric_name, "dev": metrics,
              "best_dev": -best if best is not None and task.metric_name == "loss" else best,
              "best_step": state["best_step"], "steps": state["step"], "skipped_batches": state["skipped"],
-             "wall_time_s": round(state["wall"], 2), "majority_baseline": majority_baseline(task),
-             "config": asdict(cfg), "args": public_args(args)}
-    with open(os.path.join(args.out, "final.json"), "w") as f:
+             "wall_time_s": round(state["wall"], 2), "majority_baseline": majority_baseline(task, args.task),
+             "config": asdict(r.raw.cfg), "args": public_args(args)}
+    with open(r.paths["final.json"], "w") as f:
         json.dump(final, f, indent=1)
     line = f"done in {state['wall']:.0f}s, {state['step']} steps"
+    name = task.metric_name
     if metrics:
         split = next(iter(metrics))
-        line += f": dev {task.metric_name} {metrics[split][task.metric_name]:.4f}"
+        line += f": dev {name} {metrics[split][name]:.4f} at the last step"
+        if final["best_dev"] is not None:
+            line += f", best {final['best_dev']:.4f} at step {final['best_step']}"
     if final["majority_baseline"] is not None:
-        line += f" (majority-class baseline {final['majority_baseline']:.4f})"
-    print(line + f"; results in {args.out}/final.json")
+        line += f" (majority-class baseline: {name} {final['majority_baseline']:.4f})"
+    print(line + f"; results in {r.paths['final.json']}")
 
 
 if __name__ == "__main__":

@@ -141,9 +141,20 @@ def test_drop_fn_hook(hst):
         assert torch.broadcast_shapes(valid.shape, A.shape) == A.shape
         e = pair_scores(q[..., :3], torch.ones_like(k[..., :3]))  # any last dim e
         assert e.shape == A.shape
+        # valid marks the real (query, key) pairs the pattern allows: on the real query rows A is the softmax
+        # over exactly those keys; a padding query row has no valid pair (it counts for nothing in AttendOut)
         ref = torch.nan_to_num(s.masked_fill(~valid, float("-inf")).softmax(-1), nan=0.0)
-        torch.testing.assert_close(A, ref, atol=TOL, rtol=0)
-        assert (A[~valid.expand_as(A)] == 0).all()
+        real_rows = valid.expand_as(A).any(-1)
+        torch.testing.assert_close(A[real_rows], ref[real_rows], atol=TOL, rtol=0)
+        assert (A[real_rows][~valid.expand_as(A)[real_rows]] == 0).all()
+        rows = am.bool()[:, None, :, None] if len(calls) else None          # the global rows: [B, 1, g, 1]
+        if rows is None:                                                    # block layout: [B, 1, m, bq, 1]
+            rows = am.bool().view(-1, 1, m, b, 1)
+            if hst:
+                rows = torch.cat([rows, am.bool().view(-1, 1, m, b).any(-1)[..., None, None]], dim=3)
+        else:
+            rows = rows[:, :, :A.shape[2]]
+        assert not (valid.expand_as(A) & ~rows.expand_as(A)).any()          # padding rows are never valid
         calls.append(A.shape)
         return A
 

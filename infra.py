@@ -1,0 +1,234 @@
+"""infra.py: the plumbing of train.py that a reader of the training loop need not read first.
+
+What it is: one-line errors and warnings, torchrun / DDP setup, seeding and RNG capture (for exact resume),
+the run folder (refusing to overwrite, trimming logs on resume), atomic checkpoint writing, and the
+Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
+
+How to run it: it is not run on its own; `python train.py` uses it.
+"""
+import io
+import json
+import os
+import random
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+import data
+from model import checkpoint_dict, save_atomic
+
+
+# -----------------------------------------------------------------------------
+# Messages: one clear line, never a traceback.
+
+def fail(msg, code=2):
+    """One clear line, no traceback."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def warn(msg):
+    if is_main():
+        tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------
+# Devices and processes (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK).
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {name}: CUDA is not available here")
+    return torch.device(name)
+
+
+def setup_distributed(args):
+    """(rank, world size, device). One process, or one of torchrun's (NCCL on GPUs, gloo on the CPU)."""
+    if "RANK" not in os.environ:
+        return 0, 1, resolve_device(args.device)
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def is_main():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class DDP(DistributedDataParallel):
+    """DDP that also answers the wrapped Model's attributes (sar.py reads model.cfg and model.position_ids)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+
+def all_true(flag, device, world):
+    """A bool that every process agrees on: True only if it is True on all of them."""
+    if world == 1:
+        return bool(flag)
+    t = torch.tensor([float(bool(flag))], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def all_reduce_sum(t):
+    """Sum a tensor over processes, in place (nothing to do in a single process)."""
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def check_replicas(raw, device, world):
+    """End of a torchrun run: DDP keeps the replicas in step, so every process must hold rank 0's weights.
+    Compared through a per-tensor checksum (sum and sum of squares, float64), broadcast from rank 0."""
+    mine = torch.stack([s for p in raw.parameters() for s in (p.detach().double().sum(), p.detach().double().square().sum())])
+    ref = mine.clone()
+    dist.broadcast(ref, 0)
+    if not all_true(torch.equal(mine, ref), device, world):
+        fail(f"process {dist.get_rank()}: the replicas' weights differ after training (DDP out of step)", code=1)
+
+
+# -----------------------------------------------------------------------------
+# Seeds and RNG state (every RNG the run draws from, saved in ckpt_last.pt so a resumed run is bit-identical).
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    """Every RNG the run draws from, as plain tensors / lists (safe to load with weights_only=True)."""
+    np_state = np.random.get_state()
+    return {"python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(s):
+    py = s["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state((s["numpy"][0], s["numpy"][1].numpy(), *s["numpy"][2:]))
+    torch.set_rng_state(s["torch"])
+    if torch.cuda.is_available() and s["cuda"]:
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def gather_rng_states(world):
+    """Every process's rng_state(), by rank (tensors travel as torch.save bytes: all_gather_object pickles)."""
+    rngs = [rng_state()]
+    if world > 1:
+        buf, blobs = io.BytesIO(), [None] * world
+        torch.save(rngs[0], buf)
+        dist.all_gather_object(blobs, buf.getvalue())
+        rngs = [torch.load(io.BytesIO(blob), weights_only=True) for blob in blobs]
+    return rngs
+
+
+# -----------------------------------------------------------------------------
+# The run folder and checkpoints.
+
+def prepare_out(args):
+    """--out holding another run is refused unless --resume or --overwrite."""
+    taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
+    if is_main() and os.path.isdir(args.out):       # a run killed while saving leaves a half-written temp file
+        for f in os.listdir(args.out):
+            if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+                os.remove(os.path.join(args.out, f))
+    if args.resume:                                  # run() has read its ckpt_last.pt already
+        return
+    if taken and not args.overwrite:
+        fail(f"--out {args.out} holds another run (log.jsonl / checkpoints); pass --resume to continue it or "
+             "--overwrite to replace it")
+    if is_main():
+        os.makedirs(args.out, exist_ok=True)
+        for f in ("log.jsonl", "droprates.jsonl", "final.json", "ckpt_last.pt", "ckpt_best.pt"):
+            if os.path.exists(os.path.join(args.out, f)):
+                os.remove(os.path.join(args.out, f))
+
+
+def trim_log(path, step):
+    """Resume: keep the JSON lines of steps <= the checkpoint's step. A killed run may have logged (or half
+    written) lines after its last checkpoint; the resumed run writes them again."""
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue                                  # a line cut short by the kill
+            if rec.get("step", 0) <= step:
+                keep.append(json.dumps(rec) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def public_args(args):
+    return {k: v for k, v in vars(args).items() if k != "given"}
+
+
+def weights_finite(raw):
+    """No NaN / inf in any parameter (one read off the device, not one per tensor)."""
+    return bool(torch.stack([torch.isfinite(p).all() for p in raw.parameters()]).all())
+
+
+def save_checkpoint(path, raw, tok, optimizer, state, args, rngs):
+    """Atomic write (model.save_atomic: temporary file, then rename); never writes non-finite weights.
+    rngs: the RNG states of every process, by rank."""
+    if not weights_finite(raw):
+        raise FloatingPointError(f"refusing to write {path}: the weights hold NaN/inf")
+    save_atomic(checkpoint_dict(raw, data.files_to_tensors(tok.files), train_state=state,
+                                optimizer=optimizer.state_dict(), rng=rngs, args=public_args(args)), path)
+
+
+def append_jsonl(path, rec):
+    """One JSON line (rank 0 only)."""
+    if is_main():
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+# -----------------------------------------------------------------------------
+# Stopping cleanly.
+
+class StopFlag:
+    """Ctrl-C / SIGTERM: finish the current step, save ckpt_last.pt, exit cleanly. A second Ctrl-C aborts.
+    Under torchrun every process stops at the same step (requested() agrees across processes)."""
+
+    def __init__(self, device, world):
+        self.stop, self.device, self.world = False, device, world
+
+    def __enter__(self):
+        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def handle(self, signum, frame):
+        if self.stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.stop = True
+
+    def requested(self):
+        return not all_true(not self.stop, self.device, self.world)
