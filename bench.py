@@ -41,7 +41,7 @@ import time
 import torch
 
 import sar
-from attendout import budget_loss
+from attendout import hold_budget
 from model import Config, Model, build_model, convert_hf_state, load_pretrained
 
 SECTIONS = ("dense", "bigbird", "scaling", "hst", "attendout", "sar", "throughput")
@@ -97,11 +97,14 @@ def autocast(device):
 
 
 def train_step(model, batch, loss_fn, device="cpu"):
-    """One training step without optimizer: fresh grads, forward, loss, backward."""
+    """One training step without optimizer: fresh grads, forward, loss, backward (and, under AttendOut, the
+    budget's projection that train.py runs after the optimizer step)."""
     model.zero_grad(set_to_none=True)
     with autocast(device):
         loss = loss_fn(model, batch)
     loss.backward()
+    if getattr(model, "cfg", None) is not None and model.cfg.attn_dropout == "attendout":
+        hold_budget(model)
     return loss
 
 
@@ -205,12 +208,9 @@ def random_batch(batch, n, vocab, device, num_labels=0, seed=0):
 
 
 def ours_hidden_loss(model, batch):
-    """mean(h^2) of the last hidden states (+ the G-Net budget term under AttendOut, as train.py adds)."""
+    """mean(h^2) of the last hidden states."""
     h = model.encode(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-    loss = h.float().pow(2).mean()
-    if model.cfg.attn_dropout == "attendout" and model.training:
-        loss = loss + budget_loss(model).to(loss.device)
-    return loss
+    return h.float().pow(2).mean()
 
 
 def hf_hidden_loss(model, batch):
