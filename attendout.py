@@ -1,5 +1,5 @@
 """
-attendout.py: attention-dropout methods for attnreg (SPEC 3).
+attendout.py: attention-dropout methods for attnreg (methods.md §3).
 
 The idea (AttendOut, Wu et al. 2021): instead of dropping attention probabilities with a fixed rate, a
 small per-layer G-Net looks at the layer input and predicts a drop probability for every (head, query, key);
@@ -9,7 +9,7 @@ Four methods, chosen by `--attn-dropout` (config.attn_dropout) and built by `mak
   standard   fixed-rate Bernoulli dropout on the attention probabilities (rate attn_dropout_p)
   none       no attention dropout
   scheduled  Bernoulli dropout with rate p_l(t): "linear:P_LOW:P_HIGH" or replayed from a droprates.jsonl
-  attendout  the G-Net (SPEC 3.1, reconstructed) applied through the kernel hook drop_fn(A, valid, pair_scores)
+  attendout  the G-Net (methods.md §3.1, reconstructed) applied through the kernel hook drop_fn(A, valid, pair_scores)
 
 Where the G-Net mask is: `AttendOut.hook` (below) returns drop_fn; drop_fn computes the drop logits Z and
 calls `RelaxedDrop`, which samples the keep mask k and returns A * k / (1 - pi). The kernels call drop_fn on
@@ -40,7 +40,7 @@ KEEP_MIN = 1e-4      # 1 - pi is clamped to >= KEEP_MIN, so 1/(1-pi) <= 1e4 (fin
 
 
 # -----------------------------------------------------------------------------
-# gradient reversal (SPEC 3.1: G-Net maximises the task loss, one backward pass)
+# gradient reversal (methods.md §3.1: G-Net maximises the task loss, one backward pass)
 
 class GradReverse(torch.autograd.Function):
     """Identity in the forward pass, negated gradient in the backward pass."""
@@ -59,7 +59,7 @@ def grad_reverse(x):
 
 
 # -----------------------------------------------------------------------------
-# baselines: standard / none (SPEC 3.3) and the base behaviour every method shares
+# baselines: standard / none (methods.md §3.3) and the base behaviour every method shares
 
 class AttnDropout(nn.Module):
     """Plain Bernoulli attention dropout with a fixed rate p; p = 0 is the 'none' method.
@@ -87,7 +87,7 @@ class AttnDropout(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# scheduled Bernoulli dropout (SPEC 3.2)
+# scheduled Bernoulli dropout (methods.md §3.2)
 
 def linear_schedule(spec, num_layers):
     """'linear:P_LOW:P_HIGH' -> per layer rate, linear in depth, constant in time. -> list[L] of float"""
@@ -102,7 +102,7 @@ def linear_schedule(spec, num_layers):
             raise ValueError(f"bad schedule {spec!r}: rates must be in [0, 1)")
     if num_layers == 1:
         return [p_low]
-    # SPEC 3.2: p_l = p_low + (p_high - p_low) * l / (L - 1), l = 0 .. L-1
+    # methods.md §3.2: p_l = p_low + (p_high - p_low) * l / (L - 1), l = 0 .. L-1
     return [p_low + (p_high - p_low) * l / (num_layers - 1) for l in range(num_layers)]
 
 
@@ -158,7 +158,7 @@ def interpolate(fracs, values, t):
 
 
 class ScheduledDropout(AttnDropout):
-    """Bernoulli dropout with rate p_l(t) (SPEC 3.2), t = step_frac in [0, 1] (fraction of training)."""
+    """Bernoulli dropout with rate p_l(t) (methods.md §3.2), t = step_frac in [0, 1] (fraction of training)."""
 
     def __init__(self, fracs, rates):
         super().__init__(rates[0])
@@ -181,7 +181,7 @@ def make_scheduled(schedule, num_layers, layer_idx):
 
 
 # -----------------------------------------------------------------------------
-# AttendOut: the G-Net (SPEC 3.1, reconstructed: our reading of the paper digest)
+# AttendOut: the G-Net (methods.md §3.1, reconstructed: our reading of the paper digest)
 
 class GNet(nn.Module):
     """Per-layer drop-logit generator: Z = (X W_q)(X W_k)^T / sqrt(d_g) + beta, per head.
@@ -201,7 +201,7 @@ class GNet(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # SPEC 3.1: projections small (std 0.002, zero bias) and beta = logit(p0), so that pi ~ p0 at start.
+        # methods.md §3.1: projections small (std 0.002, zero bias) and beta = logit(p0), so that pi ~ p0 at start.
         nn.init.normal_(self.weight, std=0.002)
         nn.init.zeros_(self.bias)
         with torch.no_grad():
@@ -210,13 +210,13 @@ class GNet(nn.Module):
     def features(self, x):
         """x [B, L, d] -> (a, c), each [B, H, L, d_g + 1], such that a_i . c_j = Z_ij.
 
-        Z_ij = gq_i . gk_j / sqrt(d_g) + beta  (SPEC 3.1) = [gq_i / sqrt(d_g), 1] . [gk_j, beta]:
+        Z_ij = gq_i . gk_j / sqrt(d_g) + beta  (methods.md §3.1) = [gq_i / sqrt(d_g), 1] . [gk_j, beta]:
         the scale and beta are folded into the small features, so the kernel's pair_scores returns Z
         directly and no extra pass over the [B, H, L, L] logits is needed (neither forward nor backward).
         """
         B, L, _ = x.shape
         H, dg = self.num_heads, self.gnet_dim
-        g = F.linear(x.detach(), self.weight, self.bias)         # [B, L, 2*H*d_g]  X is detached (SPEC 3.1)
+        g = F.linear(x.detach(), self.weight, self.bias)         # [B, L, 2*H*d_g]  X is detached (methods.md §3.1)
         g = g.view(B, L, 2, H, dg).permute(2, 0, 3, 1, 4)        # [2, B, H, L, d_g]
         gq, gk = g[0] * (1.0 / math.sqrt(dg)), g[1]              # [B, H, L, d_g] each
         ones = gq.new_ones(B, H, L, 1)
@@ -226,7 +226,7 @@ class GNet(nn.Module):
 
 
 class RelaxedDrop(torch.autograd.Function):
-    """A' = A * k / (1 - pi).detach() with the straight-through relaxed Bernoulli keep mask k (SPEC 3.1).
+    """A' = A * k / (1 - pi).detach() with the straight-through relaxed Bernoulli keep mask k (methods.md §3.1).
 
         u ~ U(0,1)
         k_soft = sigmoid((-Z + log u - log(1-u)) / tau)
@@ -279,7 +279,7 @@ def masked_sum(pi, valid):
 
 
 class AttendOut(AttnDropout):
-    """AttendOut for one layer (SPEC 3.1, reconstructed). The layer calls hook(x) in training only."""
+    """AttendOut for one layer (methods.md §3.1, reconstructed). The layer calls hook(x) in training only."""
 
     def __init__(self, config):
         super().__init__(0.0)  # no plain Bernoulli dropout: the hook does the dropping
@@ -311,7 +311,7 @@ class AttendOut(AttnDropout):
         def drop_fn(A, valid, pair_scores):
             # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid: bool, broadcastable to A, True for
             # the real (query, key) pairs the pattern allows (padding rows and columns are False)
-            Z = pair_scores(a, c).float()        # SPEC 3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
+            Z = pair_scores(a, c).float()        # methods.md §3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
             pi = torch.sigmoid(Z)                # drop probability pi
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
@@ -359,7 +359,7 @@ def budget_shift(rates, rho):
 
 @torch.no_grad()
 def hold_budget(modules, all_reduce=None):
-    """SPEC 3.1 budget (reconstructed): hold the mean drop rate at rho, exactly enough, after every step.
+    """methods.md §3.1 budget (reconstructed): hold the mean drop rate at rho, exactly enough, after every step.
 
         m     = mean_l mean_{heads, real pairs} pi_l           (last training forward; layers that ran)
         delta : mean_l sigmoid(logit(m_l) + delta) = rho       (budget_shift)
@@ -402,7 +402,7 @@ def drop_rates(modules):
 
 class DropRateLogger:
     """Writes {"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L]} JSON lines every log_interval steps
-    (SPEC 3.1 logging) to path (e.g. OUT/droprates.jsonl). The file is started afresh on construction."""
+    (methods.md §3.1 logging) to path (e.g. OUT/droprates.jsonl). The file is started afresh on construction."""
 
     def __init__(self, path, log_interval, append=False):
         self.path, self.log_interval = path, max(int(log_interval), 1)

@@ -2,7 +2,7 @@
 
 What it is: one post-LayerNorm encoder (RoBERTa, XLM-R and BERT compute the same thing up to position ids
 and token types), a masked-LM head and a sequence-classification / regression head, written from raw
-PyTorch so that every line can be read against SPEC section 1.
+PyTorch so that every line can be read against methods.md §1.
 
 The idea in three lines: the two methods this project teaches both live inside self-attention. The
 attention sub-layer below (`Attention`) is the one place where the *topology* (dense, block-sparse, HST;
@@ -43,7 +43,7 @@ class Config:
     intermediate_size: int = 3072     # FFN inner size
     max_positions: int = 514          # rows of the position table (RoBERTa: 512 + pad offset of 2)
     type_vocab_size: int = 1          # 1 for RoBERTa / XLM-R, 2 for BERT
-    pad_id: int = 1                   # padding token id (also the RoBERTa position offset, SPEC 1)
+    pad_id: int = 1                   # padding token id (also the RoBERTa position offset, methods.md §1)
     layer_norm_eps: float = 1e-5      # 1e-5 RoBERTa, 1e-12 BERT
     position_style: str = "roberta"   # "roberta": positions skip padding; "bert": 0 .. L-1
     hidden_dropout_p: float = 0.1     # dropout on embeddings and on each residual branch
@@ -51,13 +51,13 @@ class Config:
     # --- heads ---
     num_labels: int = 0               # 0: no classifier; 1: regression (MSE); >= 2: classification
     classifier_dropout_p: float = -1.0  # < 0: use hidden_dropout_p (as HF does for classifier_dropout=None)
-    # --- attention topology (SPEC 2; sparse.py) ---
+    # --- attention topology (methods.md §2; sparse.py) ---
     attention: str = "dense"          # "dense" | "sparse" (BigBird-style) | "hst" (ERNIE-Sparse)
     block_size: int = 64              # b; sequences are padded to a multiple of b under sparse / hst
     window: int = 1                   # w: query block i sees key blocks i-w .. i+w
     num_global: int = 1               # g: the first g tokens attend to, and are attended by, everything
     num_random: int = 0               # r: random key blocks per query block (BigBird uses 3)
-    # --- attention dropout method (SPEC 3; attendout.py) ---
+    # --- attention dropout method (methods.md §3; attendout.py) ---
     attn_dropout: str = "standard"    # "standard" | "none" | "attendout" | "scheduled"
     gnet_dim: int = 16                # d_g, G-Net projection size per head
     gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
@@ -105,7 +105,7 @@ def check_config(cfg):
 # Dense attention: the textbook formula, or PyTorch's fused kernel when nothing needs the probabilities.
 
 def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, drop_fn=None):
-    """softmax(Q K^T / sqrt(d_h) + mask) V  (SPEC 1). q, k, v: [B, H, L, d_h]; key_mask: [B, L] bool or None.
+    """softmax(Q K^T / sqrt(d_h) + mask) V  (methods.md §1). q, k, v: [B, H, L, d_h]; key_mask: [B, L] bool or None.
 
     Fast path: `scaled_dot_product_attention` (fused; applies plain Bernoulli dropout_p itself).
     Explicit path, used when a dropout hook (AttendOut's G-Net) must see the probability matrix A."""
@@ -119,7 +119,7 @@ def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, drop_fn=None):
     else:
         real_pairs = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     A = scores.softmax(dim=-1)                                                     # [B, H, L, L]
-    # G-Net's mask (SPEC 3.1); real_pairs tells it which pairs count for its drop-rate statistics
+    # G-Net's mask (methods.md §3.1); real_pairs tells it which pairs count for its drop-rate statistics
     A = drop_fn(A, real_pairs, lambda a, c: a @ c.transpose(-1, -2))
     return A @ v                                                                   # [B, H, L, d_h]
 
@@ -128,7 +128,7 @@ def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, drop_fn=None):
 # The encoder.
 
 class Embeddings(nn.Module):
-    """E = LN(word[ids] + pos[pos_ids] + type[type_ids]), then dropout (SPEC 1)."""
+    """E = LN(word[ids] + pos[pos_ids] + type[type_ids]), then dropout (methods.md §1)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         return self.drop.rate(self.step_frac), None
 
     def eval_generator(self, device):
-        """Random blocks are drawn afresh in training; in eval from a fixed per-layer seed (SPEC 2.1)."""
+        """Random blocks are drawn afresh in training; in eval from a fixed per-layer seed (methods.md §2.1)."""
         if self.training or self.cfg.num_random == 0:
             return None
         g = torch.Generator(device=device)
@@ -178,7 +178,7 @@ class Attention(nn.Module):
     def forward(self, x, key_mask, kernel, views=1):
         # x: [B, L, d] (for HST, L = n tokens + m representatives); key_mask: [B, n] bool or None
         # views: the batch holds this many views of one batch, stacked (SAR / R-Drop: 2); each gets its own
-        # sparse-kernel call below, and so its own random blocks (SPEC 2.3: the shifted view re-draws them)
+        # sparse-kernel call below, and so its own random blocks (methods.md §2.3: the shifted view re-draws them)
         B, L, d = x.shape
         H, dh = self.cfg.num_heads, self.cfg.head_dim
         # split, not one permute of [B, L, 3, H, d_h]: the backward is then one cat of the three gradients
@@ -202,7 +202,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """W2 gelu(W1 x), exact (erf) GELU (SPEC 1). Position-wise, so it can run on a chunk of positions at a
+    """W2 gelu(W1 x), exact (erf) GELU (methods.md §1). Position-wise, so it can run on a chunk of positions at a
     time (cfg.ffn_chunk, HF's chunk_size_feed_forward) with the same result."""
 
     def __init__(self, cfg):
@@ -218,9 +218,9 @@ class FeedForward(nn.Module):
 
 
 class Layer(nn.Module):
-    """Post-LN layer: x = LN1(x + Drop(Attn(x))), x = LN2(x + Drop(FFN(x)))  (SPEC 1).
+    """Post-LN layer: x = LN1(x + Drop(Attn(x))), x = LN2(x + Drop(FFN(x)))  (methods.md §1).
 
-    Under HST (SPEC 2.2, reconstructed) x holds [X; R] (tokens then one representative per block):
+    Under HST (methods.md §2.2, reconstructed) x holds [X; R] (tokens then one representative per block):
     stage 1 is the attention call over [X; R]; stage 2 lets R attend to all of R with the *same* attention
     weights and the same LN1; the feed-forward is shared by both."""
 
@@ -235,13 +235,13 @@ class Layer(nn.Module):
 
     def forward(self, x, key_mask, rep_mask=None, views=1):
         cfg = self.cfg
-        # LayerDrop (SPEC 3.3): skip the whole layer; Attn.LayerDrop: skip only its attention branch.
+        # LayerDrop (methods.md §3.3): skip the whole layer; Attn.LayerDrop: skip only its attention branch.
         if self.training and cfg.layerdrop > 0 and torch.rand(()) < cfg.layerdrop:
             return x
         skip_attn = self.training and cfg.attn_layerdrop > 0 and torch.rand(()) < cfg.attn_layerdrop
         if not skip_attn:
             x = self.ln1(x + self.drop(self.attn(x, key_mask, cfg.attention, views)))  # stage 1 / plain
-            if cfg.attention == "hst":                                            # stage 2, SPEC 2.2
+            if cfg.attention == "hst":                                            # stage 2, methods.md §2.2
                 n = x.size(1) - rep_mask.size(1)
                 r = x[:, n:]                                                      # R1: [B, m, d]
                 r = self.ln1(r + self.drop(self.attn(r, rep_mask, "dense")))      # R2 = LN1(R1 + Drop(O(attn(R1,R1))))
@@ -250,7 +250,7 @@ class Layer(nn.Module):
 
 
 class MLMHead(nn.Module):
-    """decoder(LN(gelu(dense(h)))), decoder tied to the word embeddings, plus a bias (SPEC 1)."""
+    """decoder(LN(gelu(dense(h)))), decoder tied to the word embeddings, plus a bias (methods.md §1)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -263,7 +263,7 @@ class MLMHead(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """RoBERTa style on the first token: out_proj(Drop(tanh(dense(Drop(h_0)))))  (SPEC 1)."""
+    """RoBERTa style on the first token: out_proj(Drop(tanh(dense(Drop(h_0)))))  (methods.md §1)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -286,7 +286,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.mlm = MLMHead(cfg)
         self.cls = ClassifierHead(cfg) if cfg.num_labels > 0 else None
-        # HST: a learned vector added to the mean-pooled block representatives, zero at start (SPEC 2.2)
+        # HST: a learned vector added to the mean-pooled block representatives, zero at start (methods.md §2.2)
         self.rep_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.attention == "hst" else None
         self.apply(self._init_weights)
 
@@ -303,7 +303,7 @@ class Model(nn.Module):
 
     # --- inputs -----------------------------------------------------------------
     def position_ids(self, input_ids):
-        """SPEC 1. RoBERTa / XLM-R: pad_id + cumsum(ids != pad) * (ids != pad); BERT: 0 .. L-1."""
+        """methods.md §1. RoBERTa / XLM-R: pad_id + cumsum(ids != pad) * (ids != pad); BERT: 0 .. L-1."""
         if self.cfg.position_style == "roberta":
             real = (input_ids != self.cfg.pad_id).long()
             return torch.cumsum(real, dim=1) * real + self.cfg.pad_id
@@ -333,7 +333,7 @@ class Model(nn.Module):
             attention_mask = torch.ones_like(input_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        # our own position ids stay below max_positions whenever L <= max_len (SPEC 1), so only a longer input,
+        # our own position ids stay below max_positions whenever L <= max_len (methods.md §1), so only a longer input,
         # or ids given by the caller, need the check (it reads a value off the device: a sync on CUDA)
         check = position_ids is not None or L > self.cfg.max_len
         if position_ids is None:
@@ -355,7 +355,7 @@ class Model(nn.Module):
         return x[:, :L]                                                             # drop block padding and R
 
     def add_representatives(self, x, key_mask):
-        """HST (SPEC 2.2): R_j = mean of block j's real embedding outputs + rep_embedding. -> [X; R], mask of R."""
+        """HST (methods.md §2.2): R_j = mean of block j's real embedding outputs + rep_embedding. -> [X; R], mask of R."""
         B, n, d = x.shape
         b = self.cfg.block_size
         w = key_mask.view(B, n // b, b, 1).to(x.dtype)                               # [B, m, b, 1]
@@ -434,7 +434,7 @@ class CheckpointError(ValueError):
 
 
 def config_from_hf(hf, path="config.json"):
-    """Config from an HF config.json dict (SPEC 1: LN eps and position style come from the checkpoint)."""
+    """Config from an HF config.json dict (methods.md §1: LN eps and position style come from the checkpoint)."""
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -531,7 +531,7 @@ def convert_hf_state(hf_state, cfg, path):
 
 
 def extend_positions(weight, new_rows, cfg):
-    """SPEC 1 (the Longformer recipe): a longer position table made by copying the learned one repeatedly.
+    """methods.md §1 (the Longformer recipe): a longer position table made by copying the learned one repeatedly.
     RoBERTa keeps its first pad_id + 1 rows (the offset) and tiles the rest."""
     old = weight.size(0)
     if new_rows <= old:
@@ -609,7 +609,7 @@ def read_checkpoint(path):
 
 def load_pretrained(path, **overrides):
     """A Model from an HF folder or a converted .pt; `overrides` are Config fields (e.g. attention="sparse",
-    max_positions=4096, num_labels=3). Position tables grow by copying (SPEC 1)."""
+    max_positions=4096, num_labels=3). Position tables grow by copying (methods.md §1)."""
     cfg, state, _, _ = read_checkpoint(path)
     cfg = apply_overrides(cfg, overrides)
     return build_model(cfg, state, path)
@@ -640,7 +640,7 @@ def convert(hf_dir, out_path):
 
 def export(ckpt_path, out_path):
     """A fine-tuned model for inference: G-Net parameters, optimizer and RNG state dropped; an AttendOut model
-    becomes a standard-dropout one (its eval forward is the same, SPEC 3.1: no extra inference cost)."""
+    becomes a standard-dropout one (its eval forward is the same, methods.md §3.1: no extra inference cost)."""
     from attendout import export_without_gnet
     cfg, state, tok, _ = read_checkpoint(ckpt_path)
     if cfg.attn_dropout == "attendout":

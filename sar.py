@@ -2,7 +2,7 @@
 
 What it is: the consistency losses that ask a model for the same answer under two views of one batch.
 
-The idea in three lines (SPEC 2.3, reconstructed): a sparse model's answer depends on where the block
+The idea in three lines (methods.md §2.3, reconstructed): a sparse model's answer depends on where the block
 boundaries fall. SAR shifts the topology (s padding tokens after the first token move every boundary by s),
 runs both views and penalises the symmetric KL between their predictions, on top of cross-entropy.
 R-Drop is the same loss with two unshifted passes that differ only by dropout. Evaluation runs once.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 def shift(input_ids, attention_mask, shift=1, pad_id=1, position_ids=None, token_type_ids=None):
-    """SPEC 2.3: insert `shift` padding tokens right after the first token. [B, L] -> [B, L + shift].
+    """methods.md §2.3: insert `shift` padding tokens right after the first token. [B, L] -> [B, L + shift].
 
     The content keeps its position ids (pass the model's position_ids to carry them; the inserted tokens get
     pad_id, as RoBERTa padding does) and the inserted tokens are masked, so only the sparse topology moves."""
@@ -28,14 +28,14 @@ def shift(input_ids, attention_mask, shift=1, pad_id=1, position_ids=None, token
 
 
 def task_loss(logits, labels, regression=False):
-    """Cross-entropy, or MSE for a 1-output regression head (SPEC 1)."""
+    """Cross-entropy, or MSE for a 1-output regression head (methods.md §1)."""
     if regression:
         return F.mse_loss(logits.squeeze(-1).float(), labels.float())
     return F.cross_entropy(logits.float(), labels)
 
 
 def consistency(z1, z2, regression=False):
-    """1/2 (KL(p1 || p2) + KL(p2 || p1)), p = softmax(z), averaged over the batch (SPEC 2.3).
+    """1/2 (KL(p1 || p2) + KL(p2 || p1)), p = softmax(z), averaged over the batch (methods.md §2.3).
     For regression heads: the squared difference of the two outputs."""
     if regression:
         return ((z1.float() - z2.float()) ** 2).mean()
@@ -58,7 +58,7 @@ def two_views(model, batch, shift_by):
     Both views go through the model as ONE batch of 2B: the original is padded on the right by shift_by
     (padding at the end moves no block boundary that a real token sees), the shifted view gets its
     padding after the first token. views=2 tells the model so: each half gets its own sparse-kernel call,
-    and so its own random blocks (SPEC 2.3: re-drawn for the shifted view); dropout masks differ anyway."""
+    and so its own random blocks (methods.md §2.3: re-drawn for the shifted view); dropout masks differ anyway."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     types = batch.get("token_type_ids")
     pos = model.position_ids(ids)
@@ -76,7 +76,7 @@ def two_views(model, batch, shift_by):
 
 
 def sar_loss(model, batch, alpha=1.0, shift_by=1, regression=False):
-    """SAR (SPEC 2.3): CE on both topologies + alpha * symmetric KL between them."""
+    """SAR (methods.md §2.3): CE on both topologies + alpha * symmetric KL between them."""
     if shift_by < 1:
         raise ValueError(f"--sar-shift {shift_by}: SAR needs a shift of at least 1 token (a shift of 0 moves no "
                          "block boundary: that is R-Drop, --rdrop)")

@@ -89,7 +89,7 @@ def test_mask_binary_and_padding_zero():
 
 
 def test_fused_drop_matches_plain_formula():
-    # RelaxedDrop must equal SPEC 3.1 written with plain autograd ops, forward and gradients, same u
+    # RelaxedDrop must equal methods.md §3.1 written with plain autograd ops, forward and gradients, same u
     torch.manual_seed(0)
     A = torch.rand(2, 3, 5, 5).softmax(-1).requires_grad_()
     Z = torch.randn(2, 3, 5, 5).requires_grad_()

@@ -239,7 +239,7 @@ def test_export_drops_gnet_and_keeps_eval_outputs(tmp_path):
 
 
 def test_hst_layer_equals_dense_masked_two_stage_reference():
-    """One HST layer (SPEC 2.2) = stage 1 as dense attention under hst_dense_mask over [X; R], then stage 2 as
+    """One HST layer (methods.md §2.2) = stage 1 as dense attention under hst_dense_mask over [X; R], then stage 2 as
     dense attention among the representatives with the same Q/K/V/O and LN1, then the shared feed-forward."""
     import math
     from sparse import hst_dense_mask

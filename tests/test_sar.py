@@ -1,4 +1,4 @@
-"""SAR and R-Drop (SPEC 2.3): the shift, the losses' properties, and sparse / HST models built on the encoder."""
+"""SAR and R-Drop (methods.md §2.3): the shift, the losses' properties, and sparse / HST models built on the encoder."""
 import pytest
 import torch
 
