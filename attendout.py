@@ -302,7 +302,8 @@ class AttendOut(AttnDropout):
     def reset_stats(self):
         """Forget the drop statistics. The model calls this at the start of every training forward, so they
         always describe exactly one forward: all layout pieces, both HST stages, both SAR / R-Drop views."""
-        self.pi_sum, self.pi_count = None, None   # sum of pi over the real (query, key) pairs, and their count
+        # over the real (query, key) pairs: the sum of pi, of pi (1 - pi) (= dpi/dbeta), and their count
+        self.pi_sum, self.slope_sum, self.pi_count = None, None, None
 
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
@@ -315,8 +316,11 @@ class AttendOut(AttnDropout):
             pi = torch.sigmoid(Z)                # drop probability pi
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
-                self.pi_sum = s if self.pi_sum is None else self.pi_sum + s
-                self.pi_count = n if self.pi_count is None else self.pi_count + n
+                ds, _ = masked_sum(pi * (1.0 - pi), valid)
+                first = self.pi_sum is None
+                self.pi_sum = s if first else self.pi_sum + s
+                self.slope_sum = ds if first else self.slope_sum + ds
+                self.pi_count = n if first else self.pi_count + n
             Zr = grad_reverse(Z) if self.reverse else Z  # mask path: G-Net receives -dL_task/dZ
             # A' = A * k / (1 - pi).detach(); invalid pairs have A = 0 and stay exactly 0
             return RelaxedDrop.apply(A, Zr, pi.detach(), self.tau)
@@ -340,35 +344,21 @@ def attendout_modules(modules):
     return [m for m in modules if isinstance(m, AttendOut)]
 
 
-def budget_shift(rates, rho):
-    """The common logit shift delta with mean_l sigmoid(logit(r_l) + delta) = rho (bisection; 0-dim floats).
-
-    Each layer's mean rate r_l is treated as if all its pairs had that probability; the mean over layers is
-    increasing in delta, so bisection finds it. Within-layer spread makes this slightly approximate; the next
-    step measures again and corrects the rest."""
-    z = torch.logit(torch.tensor(rates, dtype=torch.float64).clamp(1e-6, 1 - 1e-6))   # [L']
-    lo, hi = -30.0, 30.0
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if torch.sigmoid(z + mid).mean() < rho:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
 @torch.no_grad()
 def hold_budget(modules, all_reduce=None):
-    """methods.md §3.1 budget (reconstructed): hold the mean drop rate at rho, exactly enough, after every step.
+    """methods.md §3.1 budget (reconstructed): hold the mean drop rate at rho, after every optimizer step.
 
-        m     = mean_l mean_{heads, real pairs} pi_l           (last training forward; layers that ran)
-        delta : mean_l sigmoid(logit(m_l) + delta) = rho       (budget_shift)
+        m      = mean_l m_l,  m_l = mean_{heads, real pairs} pi_l        (the step's training forward)
+        m'     = dm/dbeta = mean_l mean_{heads, real pairs} pi_l (1 - pi_l)   (beta moves every Z of a layer)
+        delta  = (rho - m) / m'                                         (one Newton step)
         beta_l <- beta_l + delta   for every layer l
 
     A projection onto the budget: the common level of the drop rates is set by the constraint, while what the
     G-Net learns (which layers, heads and pairs drop more, by the reversed task gradient) is left as it is,
     since every layer moves by the same delta. A penalty lambda (m - rho)^2 could not hold the level against
-    the reversed task gradient, which keeps pushing every rate up (the model then drops what it needs most).
+    the reversed task gradient, which keeps pushing every rate up. m' is measured, not assumed: once the G-Net
+    has spread its logits, many pi sit near 0 or 1 and respond little to beta, and a step that assumed
+    m_l (1 - m_l) would fall short. delta is capped at +-4 (a safeguard; it is far smaller in practice).
     Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so every replica shifts
     by the same delta. Returns (m, delta), or None when no AttendOut layer ran."""
     mods = attendout_modules(modules)
@@ -376,16 +366,17 @@ def hold_budget(modules, all_reduce=None):
         return None
     dev = mods[0].gnet.beta.device
     zero = torch.zeros((), device=dev)
-    stats = torch.stack([torch.stack([m.pi_sum if m.pi_sum is not None else zero,
-                                      m.pi_count if m.pi_count is not None else zero]) for m in mods])  # [L, 2]
+    stats = torch.stack([torch.stack([zero if t is None else t for t in (m.pi_sum, m.slope_sum, m.pi_count)])
+                         for m in mods])                                         # [L, 3]
     if all_reduce is not None:
         all_reduce(stats)
     stats = stats.double().cpu()
-    ran = stats[:, 1] > 0
+    ran = stats[:, 2] > 0                                                         # layers that ran (LayerDrop)
     if not bool(ran.any()):
         return None
-    rates = (stats[ran, 0] / stats[ran, 1]).tolist()          # m_l of the layers that ran
-    mean, delta = sum(rates) / len(rates), budget_shift(rates, mods[0].rho)
+    mean = (stats[ran, 0] / stats[ran, 2]).mean().item()                          # m
+    slope = (stats[ran, 1] / stats[ran, 2]).mean().item()                         # m'
+    delta = max(-4.0, min(4.0, (mods[0].rho - mean) / max(slope, 1e-6)))
     for m in mods:
         m.gnet.beta.add_(delta)
     return mean, delta

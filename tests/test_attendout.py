@@ -195,12 +195,31 @@ def test_budget_holds_against_the_reversed_task_gradient():
     assert max(rates) - min(rates) > 0.05                   # ... the layers are not
 
 
-def test_budget_shift_solves_the_mean():
-    rates = [0.9, 0.01, 0.05]
-    d = ao.budget_shift(rates, 0.2)
-    shifted = torch.sigmoid(torch.logit(torch.tensor(rates, dtype=torch.float64)) + d)
-    assert shifted.mean().item() == pytest.approx(0.2, abs=1e-9)
-    assert ao.budget_shift([0.2, 0.2], 0.2) == pytest.approx(0.0, abs=1e-9)
+def test_budget_step_is_a_newton_step_on_the_measured_rates():
+    # one hold_budget on fixed inputs: the next forward's mean must land on rho far more closely than before
+    torch.manual_seed(0)
+    x, q, k, v, mask = inputs()
+    cfg = make_config(attn_dropout_p=0.1, gnet_budget=0.25)
+    mods = [ao.make_attn_dropout(cfg, l).train() for l in range(cfg.num_layers)]
+    with torch.no_grad():
+        for i, m in enumerate(mods):          # spread the logits: many pi near 0 or 1, layers apart
+            m.gnet.weight.normal_(std=1.0)
+            m.gnet.beta.fill_(-3.0 + i)
+    def mean_rate():
+        for m in mods:
+            attn(q, k, v, mask, m, x, True)
+        return sum(ao.drop_rates(mods)) / 3
+    before = mean_rate()
+    got, delta = ao.hold_budget(mods)
+    assert got == pytest.approx(before)
+    after = mean_rate()
+    assert abs(after - 0.25) < 0.2 * abs(before - 0.25)
+    # the derivative is measured: pi (1 - pi) summed over the real pairs
+    m = mods[0]
+    a, c = m.gnet.features(x)
+    pi = torch.sigmoid(a @ c.transpose(-1, -2))
+    real = mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]
+    assert m.slope_sum.item() == pytest.approx((pi * (1 - pi))[real.expand_as(pi)].sum().item(), rel=1e-5)
 
 
 def test_no_state_outlives_a_forward():
