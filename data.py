@@ -52,7 +52,16 @@ csv.field_size_limit(2**31 - 1)  # long documents (LRA text, ListOps) exceed csv
 class Example:
     ids: list[int]              # token ids, special tokens included
     type_ids: list[int] | None  # segment ids, or None (= all zeros)
-    label: int | float          # class index, or float score for regression (STS-B)
+    label: int | float          # class index, or float score for regression (STS-B); qa.py: (start, end)
+
+
+@dataclass
+class PairExample:
+    """Two documents and one label (LRA Retrieval): the dual encoder encodes each document on its own."""
+    ids: list[int]              # first document, [cls] + tokens
+    ids2: list[int]             # second document
+    label: int
+    type_ids: None = None
 
 
 @dataclass
@@ -64,7 +73,8 @@ class TaskData:
     metric_name: str      # the main metric, a key of compute_metrics' dict
     label_names: list     # class index -> label string
     n_truncated: int = 0  # examples cut to max_len (the caller warns once)
-    n_skipped: int = 0    # malformed rows skipped (QQP only, see TASKS)
+    n_skipped: int = 0    # malformed rows skipped (QQP only, see TASKS; qa.py: answers not found in the text)
+    head: str = "cls"     # the model head it needs (model.Config.head): "cls", "pair" (lra-retrieval), "span" (squad)
 
 
 # The nine GLUE tasks, in the official GLUE folder layout (SPEC 4). Columns are header names, or 0-based
@@ -91,8 +101,25 @@ TASKS = {
                  label="label", labels=["0", "1"], metric="acc"),
 }
 # QQP: transformers' GLUE processor skips QQP rows with missing columns; we do the same (and count them).
-OTHER_TASKS = {"tsv": "acc", "listops": "acc", "mlm": "loss"}
+LRA_TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")   # readers in lra.py
+OTHER_TASKS = {"tsv": "acc", "listops": "acc", **{t: "acc" for t in LRA_TASKS}, "squad": "f1", "mlm": "loss"}
 VALID_TASKS = list(TASKS) + list(OTHER_TASKS)
+
+
+def fixed_tokenizer(task):
+    """The tokenizer a task's inputs define (ListOps symbols, LRA bytes / pixels), or None (text: trained or the
+    checkpoint's own)."""
+    if task == "listops":
+        return ListOpsTokenizer()
+    if task in LRA_TASKS:
+        return ByteTokenizer()
+    return None
+
+
+def default_max_len(task):
+    """--max-len when not given: LRA's input lengths for its tasks, 512 otherwise."""
+    import lra
+    return lra.DEFAULT_MAX_LEN.get(task, 512)
 
 
 def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
@@ -353,6 +380,9 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
     elif name == "tsv":
         records = read_generic(_train_path(name, data_dir, train_file), text_col=text_col, label_col=label_col,
                                text_pair_col=text_pair_col)
+    elif task == "squad":
+        import qa
+        return qa.training_texts(train_file or os.path.join(data_dir, "train.json"))
     elif name == "mlm":
         texts = []
         for path in _mlm_paths(data_dir, train_file)[0]:          # the files load_task trains on
@@ -366,7 +396,14 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
 
 def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_col=None, label_col=None,
               train_file=None, dev_file=None, header="auto"):
-    """TaskData for a GLUE task, "tsv" (any labelled file), "listops" or "mlm" (SPEC 4)."""
+    """TaskData for a GLUE task, "tsv" (any labelled file), "listops", "mlm" (SPEC 4), an LRA task (lra.py) or
+    "squad" (extractive QA, qa.py)."""
+    if task in LRA_TASKS:
+        import lra                                  # imported here: lra.py builds on this module
+        return lra.load(task, data_dir, tokenizer, max_len)
+    if task == "squad":
+        import qa
+        return qa.load(data_dir, tokenizer, max_len, train_file=train_file, dev_file=dev_file)
     name = task.lower().replace("-", "")
     stats = {"truncated": 0}
     if name in TASKS:
@@ -418,7 +455,14 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
 # ----------------------------------------------------------------------------------------------------------
 
 def collate(examples, pad_id, multiple_of=1):
-    """Pad to the longest example, rounded up to multiple_of. Returns the batch dict of the contract."""
+    """Pad to the longest example, rounded up to multiple_of. Returns the batch dict of the contract.
+    PairExamples: both documents padded to one length, input_ids etc. [B, 2, L] (see flatten_pairs)."""
+    if isinstance(examples[0], PairExample):
+        docs = [Example(d, None, e.label) for e in examples for d in (e.ids, e.ids2)]   # pair i -> rows 2i, 2i+1
+        flat = collate(docs, pad_id, multiple_of)
+        B = len(examples)
+        batch = {k: v.view(B, 2, -1) for k, v in flat.items() if k != "labels"}        # [B, 2, L]
+        return {**batch, "labels": flat["labels"][::2]}                                # [B]
     L = max(len(e.ids) for e in examples)
     L = -(-L // multiple_of) * multiple_of
     B = len(examples)
@@ -435,6 +479,13 @@ def collate(examples, pad_id, multiple_of=1):
     labels = torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long)  # [B]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
             "labels": labels}
+
+
+def flatten_pairs(batch):
+    """[B, 2, L] pair tensors -> [2B, L], the two documents of pair i in rows 2i and 2i + 1 (model.PairHead pairs
+    them back). Batches keep pairs as [B, 2, L] until here so that splitting a batch across processes keeps
+    each pair whole."""
+    return {k: v.flatten(0, 1) if k != "labels" else v for k, v in batch.items()}
 
 
 def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches=50):
@@ -548,7 +599,7 @@ def compute_metrics(task_name, preds, labels):
         return {"mcc": matthews_corrcoef(preds, labels), "acc": accuracy(preds, labels)}
     if name in ("mrpc", "qqp"):
         return {"f1": f1_binary(preds, labels), "acc": accuracy(preds, labels)}
-    if name in TASKS or name in ("tsv", "listops"):
+    if name in TASKS or name in ("tsv", "listops") or task_name in LRA_TASKS:
         return {"acc": accuracy(preds, labels)}
     raise DataError(f"no metrics for task {task_name!r}; valid: {', '.join(VALID_TASKS[:-1])}")
 
@@ -667,6 +718,20 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
 # 5. CLI
 # ----------------------------------------------------------------------------------------------------------
 
+def describe_task(task, data_dir, max_len=None, tokenizer_path=None):
+    """{split: {examples, mean_len, max_len, labels}} of a task folder: checks that its files read cleanly."""
+    tok = load_tokenizer(tokenizer_path) if tokenizer_path else fixed_tokenizer(task)
+    data = load_task(task, data_dir, tok, max_len=max_len or default_max_len(task))
+    out = {}
+    for split, examples in [("train", data.train), *data.dev.items()]:
+        lengths = [len(e.ids) for e in examples]
+        out[split] = {"examples": len(examples), "mean_len": round(float(np.mean(lengths)), 1),
+                      "max_len": max(lengths)}
+        if data.head != "span":
+            out[split]["labels"] = np.bincount([e.label for e in examples], minlength=data.num_labels).tolist()
+    return {"task": task, "truncated": data.n_truncated, "skipped": data.n_skipped, **out}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="attnreg data tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -680,6 +745,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--max-args", type=int, default=10)
+    for task in LRA_TASKS + ("squad",):
+        c = sub.add_parser(task, help=f"read a {task} data folder (docs/tasks.md) and print its statistics")
+        c.add_argument("data_dir")
+        c.add_argument("--max-len", type=int, default=None, help="tokens per example (default: the task's)")
+        if task == "squad":
+            c.add_argument("--tokenizer", required=True, help="an HF folder or .pt checkpoint whose tokenizer to use")
     t = sub.add_parser("tokenize", help="print the ids of a text (and pair) with a checkpoint's tokenizer")
     t.add_argument("path")
     t.add_argument("text")
@@ -690,6 +761,8 @@ def main(argv=None):
             paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len,
                                   args.seed, args.max_depth, args.max_args, progress=True)
             print(" ".join(paths.values()))
+        elif args.command in LRA_TASKS or args.command == "squad":
+            print(json.dumps(describe_task(args.command, args.data_dir, args.max_len, getattr(args, "tokenizer", None))))
         else:
             ids, type_ids = load_tokenizer(args.path).encode_plus(args.text, args.pair)
             print(json.dumps({"ids": ids, "type_ids": type_ids}))
