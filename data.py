@@ -382,7 +382,7 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
                                text_pair_col=text_pair_col)
     elif task == "squad":
         import qa
-        return qa.training_texts(train_file or os.path.join(data_dir, "train.json"))
+        return qa.training_texts(data_dir, train_file)
     elif name == "mlm":
         texts = []
         for path in _mlm_paths(data_dir, train_file)[0]:          # the files load_task trains on
