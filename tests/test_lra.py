@@ -80,8 +80,9 @@ def write_pathfinder(root, n=10, size=32, bad_size_at=None):
             s = size if k != bad_size_at else size // 2
             px = rng.integers(0, 256, (s, s), dtype=np.uint8)
             Image.fromarray(px, mode="L").save(os.path.join(root, "imgs", "0", f"sample_{k}.png"))
-            f.write(f"imgs/0 sample_{k}.png {k} {k % 2} 2 1.5 14 20\n")
-            items.append((px, k % 2))
+            label = (k // 2) % 2                                           # not the index's parity
+            f.write(f"imgs/0 sample_{k}.png {k} {label} 2 1.5 14 20\n")
+            items.append((px, label))
     return items
 
 
@@ -164,6 +165,9 @@ def test_bad_inputs_name_file_and_line(tmp_path):
     write_aan(str(tmp_path / "aan"), bad_row="1.0\tA\tB\tonly four columns\n")
     with pytest.raises(data.DataError, match=r"new_aan_pairs\.train\.tsv:9: expected 5 columns"):
         data.load_task("lra-retrieval", str(tmp_path / "aan"), tok, max_len=100)
+    write_aan(str(tmp_path / "aan2"), bad_row="2.0\tA\tB\tt1\tt2\n")
+    with pytest.raises(data.DataError, match=r"new_aan_pairs\.train\.tsv:9: label '2\.0' is not 0 or 1"):
+        data.load_task("lra-retrieval", str(tmp_path / "aan2"), tok, max_len=100)
     write_pathfinder(str(tmp_path / "pf"), bad_size_at=3)
     with pytest.raises(data.DataError, match=r"metadata/0\.npy:4: .*sample_3\.png: image is 16 x 16, expected 32 x 32"):
         data.load_task("lra-pathfinder", str(tmp_path / "pf"), tok, max_len=1025)
