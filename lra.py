@@ -75,8 +75,11 @@ def read_imdb(folder, tok, max_len, stats):
             if not name.endswith(".txt"):
                 continue
             path = os.path.join(d, name)
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:1: not UTF-8 text (byte {e.start})") from None
             if not text.strip():
                 raise DataError(f"{path}:1: empty text")
             examples.append(Example(_text_ids(tok, text, max_len, stats), None, label))

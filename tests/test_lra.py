@@ -237,6 +237,7 @@ def test_every_task_trains_end_to_end(folders, task, attention, tmp_path, capfd)
     assert final["steps"] == 2 and 0.0 <= final["dev"]["dev"]["acc"] <= 1.0
     assert final["config"]["attention"] == attention
     assert final["config"]["head"] == ("pair" if task == "lra-retrieval" else "cls")
+    assert isinstance(data.load_tokenizer(str(out / "ckpt_last.pt")), data.ByteTokenizer)   # rebuilt from the checkpoint
     if attention == "hst":
         log = [json.loads(line) for line in open(out / "log.jsonl")]
         assert any("consistency" in r for r in log)
