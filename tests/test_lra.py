@@ -249,3 +249,13 @@ def test_bad_row_through_train_is_one_line(tmp_path, capfd):
                         "--max-steps", "1", *TINY], capfd)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and lines == [f"error: {tmp_path / 'aan' / 'new_aan_pairs.train.tsv'}:9: label 'x' is not 0 or 1"]
+
+
+def test_data_cli_describes_a_folder(folders, capsys):
+    data.main(["lra-pathfinder", folders["lra-pathfinder"]])
+    out = json.loads(capsys.readouterr().out)
+    assert out["train"] == {"examples": 8, "mean_len": 1025.0, "max_len": 1025, "labels": [4, 4]}
+    assert out["dev"]["examples"] == 1 and out["test"]["examples"] == 1
+    data.main(["lra-text", folders["lra-text"], "--max-len", "12"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["truncated"] == 16 and out["train"]["max_len"] == 12 and out["dev"]["labels"] == [4, 4]
