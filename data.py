@@ -719,12 +719,13 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
 # ----------------------------------------------------------------------------------------------------------
 
 def describe_task(task, data_dir, max_len=None, tokenizer_path=None):
-    """{split: {examples, mean_len, max_len, labels}} of a task folder: checks that its files read cleanly."""
+    """{split: {examples, mean_len, max_len, labels}} of a task folder: checks that its files read cleanly.
+    Lengths in tokens ([cls] included; a pair: its longer document)."""
     tok = load_tokenizer(tokenizer_path) if tokenizer_path else fixed_tokenizer(task)
     data = load_task(task, data_dir, tok, max_len=max_len or default_max_len(task))
     out = {}
     for split, examples in [("train", data.train), *data.dev.items()]:
-        lengths = [len(e.ids) for e in examples]
+        lengths = [max(len(e.ids), len(e.ids2)) if isinstance(e, PairExample) else len(e.ids) for e in examples]
         out[split] = {"examples": len(examples), "mean_len": round(float(np.mean(lengths)), 1),
                       "max_len": max(lengths)}
         if data.head != "span":

@@ -154,8 +154,15 @@ def read_cifar_bin(path):
     return rgb_to_gray(rgb), labels
 
 
+def pixel_ids(tok, pixels, max_len, stats):
+    """[cls] + pixel ids as a compact int16 array (200,000 Pathfinder images as lists of ints would take ~2 GB);
+    the same ids as tok.encode_values, and collate reads arrays as it reads lists."""
+    ids = np.concatenate([[tok.cls_id], pixels.astype(np.int16) + tok.OFFSET]).astype(np.int16)
+    return _truncate(ids, max_len, stats)
+
+
 def _pixel_examples(pixels, labels, tok, max_len, stats):
-    return [Example(_truncate(tok.encode_values(p), max_len, stats), None, int(y)) for p, y in zip(pixels, labels)]
+    return [Example(pixel_ids(tok, p, max_len, stats), None, int(y)) for p, y in zip(pixels, labels)]
 
 
 def load_image(data_dir, tok, max_len):
@@ -233,7 +240,7 @@ def load_pathfinder(data_dir, tok, max_len):
     items = read_pathfinder(data_dir)
     n = len(items)
     a, b = n * 8 // 10, n * 9 // 10                                        # LRA: [:80%], [80%:90%], [90%:]
-    make = lambda part: [Example(_truncate(tok.encode_values(p), max_len, stats), None, y) for p, y in part]
+    make = lambda part: [Example(pixel_ids(tok, p, max_len, stats), None, y) for p, y in part]
     dev = {"dev": make(items[a:b])}
     if b < n:
         dev["test"] = make(items[b:])

@@ -144,6 +144,7 @@ def test_image_reader_grayscale_and_split(tmp_path):
         ref = gray_reference(rgb.reshape(-1, 3).astype(np.float64))
         got = np.array(e.ids[1:]) - OFF
         assert e.label == label and len(e.ids) == 1025 and e.ids[0] == 2
+        assert list(e.ids) == data.ByteTokenizer().encode_values(got)              # the tokenizer's ids
         assert np.abs(got - ref).max() <= 1 and np.mean(got == ref) > 0.99   # float32 vs float64 at the floor
     # hand-computed pixels: pure red 255 -> floor(0.2989 * 255.5) = 76; (10, 20, 30) -> 18
     assert lra.rgb_to_gray(np.array([[255, 0, 0], [10, 20, 30], [255, 255, 255]], np.uint8)).tolist() == [76, 18, 255]
@@ -154,7 +155,7 @@ def test_pathfinder_reader(tmp_path):
     task = data.load_task("lra-pathfinder", str(tmp_path), data.ByteTokenizer(), max_len=1025)
     assert len(task.train) == 8 and len(task.dev["dev"]) == 1 and len(task.dev["test"]) == 1
     for e, (px, y) in zip(task.train + task.dev["dev"] + task.dev["test"], items):
-        assert e.ids == [2] + [int(p) + OFF for p in px.reshape(-1)] and e.label == y
+        assert list(e.ids) == [2] + [int(p) + OFF for p in px.reshape(-1)] and e.label == y
 
 
 # -----------------------------------------------------------------------------
