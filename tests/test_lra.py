@@ -106,7 +106,7 @@ def test_text_reader_bytes_labels_lengths(tmp_path):
     assert len(task.train) == 8 and len(task.dev["dev"]) == 8 and task.num_labels == 2
     first = task.train[0]                                   # neg/0_2.txt: neg first, sorted file names
     raw = texts[("train", "neg", 0)].encode("utf-8")
-    assert first.ids == [2] + [b + OFF for b in raw] and first.label == 0
+    assert list(first.ids) == [2] + [b + OFF for b in raw] and first.label == 0
     assert len(raw) == len(texts[("train", "neg", 0)]) + 1  # the 2-byte character counts as 2 ids
     assert [e.label for e in task.train] == [0] * 4 + [1] * 4
     cut = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=10)
@@ -119,14 +119,15 @@ def test_retrieval_reader_pairs(tmp_path):
     assert task.head == "pair" and set(task.dev) == {"dev", "test"}
     e = task.train[3]
     assert e.label == 1
-    assert e.ids == [2] + [b + OFF for b in b'paper 3 cites "xxxx"']      # quotes kept: no quoting in LRA's TSV
-    assert e.ids2 == [2] + [b + OFF for b in b"same topic 3"]
+    assert list(e.ids) == [2] + [b + OFF for b in b'paper 3 cites "xxxx"']      # quotes kept: no quoting in LRA's TSV
+    assert list(e.ids2) == [2] + [b + OFF for b in b"same topic 3"]
     batch = data.collate(task.train[:3], pad_id=0)
     assert batch["input_ids"].shape == (3, 2, 20) and batch["labels"].tolist() == [0, 1, 0]
     flat = data.flatten_pairs(batch)
     assert flat["input_ids"].shape == (6, 20)
     p1 = task.train[1]                                      # pair 1 -> rows 2 and 3
-    assert flat["input_ids"][2, :len(p1.ids)].tolist() == p1.ids and flat["input_ids"][3, :len(p1.ids2)].tolist() == p1.ids2
+    assert flat["input_ids"][2, :len(p1.ids)].tolist() == list(p1.ids)
+    assert flat["input_ids"][3, :len(p1.ids2)].tolist() == list(p1.ids2)
     assert flat["attention_mask"][3].sum() == len(p1.ids2)
 
 
