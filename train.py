@@ -69,7 +69,7 @@ def make_parser():
     g.add_argument("--text-col", default=None, help="--task tsv: text column (name or 0-based index)")
     g.add_argument("--text-pair-col", default=None, help="--task tsv: optional second text column")
     g.add_argument("--label-col", default=None, help="--task tsv: label column")
-    g.add_argument("--max-len", type=int, default=None, help="tokens per example (default: 512, or the model's limit)")
+    g.add_argument("--max-len", type=int, default=None, help="tokens per example (default: 512, LRA tasks: LRA's lengths, docs/tasks.md; at most the model's limit)")
     g.add_argument("--no-truncate", action="store_true", help="fail on examples longer than --max-len instead of truncating")
     g.add_argument("--vocab-size", type=int, default=8000, help="from scratch on text: SentencePiece vocabulary size")
 
