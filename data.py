@@ -1,28 +1,30 @@
-"""data.py: tokenizers, datasets, metrics and batching for attnreg (SPEC 4).
+"""data.py: datasets, batching and metrics for attnreg (SPEC 4).
 
-Everything that turns files into tensors lives here:
-  1. tokenizers: a pretrained checkpoint's own tokenizer (byte-level BPE for RoBERTa, WordPiece for BERT,
-     SentencePiece for XLM-R), a from-scratch SentencePiece model, and the fixed ListOps vocabulary;
-  2. datasets: the nine GLUE tasks, any labelled TSV/CSV/JSONL, LRA ListOps, plain text for masked LM;
+Everything that turns files into batches of tensors, in reading order:
+  1. datasets: what an example is (Example, TaskData), the readers for the nine GLUE tasks, any labelled
+     TSV/CSV/JSONL, LRA ListOps and plain text for masked LM (the other LRA tasks: lra.py; extractive QA: qa.py);
+  2. batching: deterministic length-bucketed batches, dynamic padding (collate), BERT-style MLM masking;
   3. metrics: accuracy, F1, Matthews correlation, Pearson, Spearman (numpy, by hand);
   4. the LRA ListOps generator (the Long Range Arena recipe, SPEC 4);
-  5. BERT-style MLM masking;  6. deterministic length-bucketed batching with dynamic padding.
+  5. the CLI.
+The tokenizers (text -> ids) are plumbing a student can skip: they live in vocab.py and are re-exported here
+(data.load_tokenizer, data.ListOpsTokenizer, data.DataError, ... work as before).
 
 The paper ideas this serves: AttendOut (learned attention dropout) is evaluated on GLUE; ERNIE-Sparse
-(sparse + hierarchical attention, SAR) is evaluated on LRA ListOps and long text classification. Both need
-exactly the data pipeline of their baselines, so the tokenizers equal the checkpoints' HF tokenizers and the
-ListOps generator follows LRA's.
+(sparse + hierarchical attention, SAR) is evaluated on Long Range Arena, long text classification and
+question answering. Both need exactly the data pipeline of their baselines, so the tokenizers equal the
+checkpoints' HF tokenizers and the LRA readers follow LRA's input pipeline.
 
 Run:
   python data.py listops data/listops --train 96000 --val 2000 --test 2000 --min-len 500 --max-len 2000 --seed 0
   python data.py listops data/listops_small --train 2000 --val 200 --test 200 --min-len 20 --max-len 100
+  python data.py lra-text DIR        (also lra-retrieval, lra-image, lra-pathfinder, squad: check a data folder)
   python data.py tokenize PATH_TO_HF_FOLDER_OR_PT "first sentence" ["second sentence"]
 Library use: load_tokenizer, load_task, make_batches, mask_tokens, compute_metrics.
 """
 
 import argparse
 import csv
-import hashlib
 import json
 import math
 import os
@@ -32,374 +34,34 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import sentencepiece as spm
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
+
+# the tokenizers, re-exported: data.X keeps working for every name below (vocab.py)
+from vocab import (HF_TOKENIZER_FILES, KIND_FILE, SPECIAL_TOKENS, SPM_FILE, ByteTokenizer, DataError,  # noqa: F401
+                   HFTokenizer, ListOpsTokenizer, SentencePieceTokenizer, build_bert_wordpiece, build_roberta_bpe,
+                   files_to_tensors, load_tokenizer, read_tokenizer_folder, tensors_to_files, tokenizer_from_files,
+                   train_sentencepiece)
 
 csv.field_size_limit(2**31 - 1)  # long documents (LRA text, ListOps) exceed csv's 128 KiB default
 
-
-class DataError(ValueError):
-    """A problem with the user's data or files; the CLI prints the one-line message, no traceback."""
-
-
 # ----------------------------------------------------------------------------------------------------------
-# 1. Tokenizers
-#
-# Every tokenizer class has the same small interface:
-#   encode(text, pair=None) -> ids                     (special tokens included)
-#   encode_plus(text, pair=None, max_len=None) -> (ids, type_ids)   (truncated to max_len if given)
-#   decode(ids) -> str                                  (special tokens skipped)
-#   pad_id, mask_id, cls_id, sep_id, unk_id, vocab_size
-#   files: {filename: bytes}, everything needed to rebuild it (embedded in checkpoints, see model.py)
-# ----------------------------------------------------------------------------------------------------------
-
-# the files of an HF tokenizer folder that we read (and embed in converted checkpoints)
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                      "merges.txt", "vocab.txt", "sentencepiece.bpe.model", "spiece.model")
-KIND_FILE = "attnreg_tokenizer.json"  # marker for our own tokenizers: {"kind": "sentencepiece" | "listops"}
-SPM_FILE = "attnreg_spm.model"        # the from-scratch SentencePiece model inside `files`
-
-# candidate token strings per role, RoBERTa/XLM-R spelling first, then BERT's
-SPECIAL_TOKENS = {"pad": ("<pad>", "[PAD]"), "unk": ("<unk>", "[UNK]"), "cls": ("<s>", "[CLS]"),
-                  "sep": ("</s>", "[SEP]"), "mask": ("<mask>", "[MASK]")}
-
-
-def _config_token(config, role):
-    """The token string tokenizer_config.json / special_tokens_map.json give for a role, or None."""
-    value = config.get(f"{role}_token")
-    if isinstance(value, dict):  # {"content": "<mask>", "lstrip": true, ...}
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _special_ids(token_to_id, config):
-    """Resolve {role: id} from the token strings (config's names first, then the usual spellings)."""
-    ids = {}
-    for role, defaults in SPECIAL_TOKENS.items():
-        names = [_config_token(config, role)] + list(defaults)
-        found = [token_to_id(name) for name in names if name is not None]
-        ids[role] = next((i for i in found if i is not None), None)
-    for role in ("pad", "cls", "sep"):
-        if ids[role] is None:
-            raise DataError(f"tokenizer has no {role} token (looked for {SPECIAL_TOKENS[role]})")
-    return ids
-
-
-def _longest_first(a, b, budget):
-    """Truncate two token lists to len(a) + len(b) <= budget, removing from the longer one (HF longest_first)."""
-    a, b = list(a), list(b)
-    while len(a) + len(b) > budget:
-        if len(a) >= len(b):
-            a.pop()
-        else:
-            b.pop()
-    return a, b
-
-
-class HFTokenizer:
-    """A `tokenizers.Tokenizer`: read from tokenizer.json, or built from vocab.json+merges.txt / vocab.txt.
-
-    The post-processor adds the special tokens and type ids (RoBERTa `<s> A </s></s> B </s>`, all type 0;
-    BERT `[CLS] A [SEP] B [SEP]`, types 0..0 1..1), exactly as the checkpoint's own fast tokenizer does.
-    """
-
-    def __init__(self, tok, files, config):
-        tok.no_truncation()
-        tok.no_padding()
-        self.tok, self.files = tok, files
-        ids = _special_ids(tok.token_to_id, config)
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
-            ids["pad"], ids["unk"], ids["cls"], ids["sep"], ids["mask"])
-        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-        self._truncating = {}  # max_len -> a copy of tok with HF's longest_first truncation
-
-    def encode_plus(self, text, pair=None, max_len=None):
-        tok = self.tok if max_len is None else self._truncating_at(max_len)
-        enc = tok.encode(text, pair)           # truncation leaves an input within max_len as it is
-        return list(enc.ids), list(enc.type_ids)
-
-    def _truncating_at(self, max_len):
-        if max_len not in self._truncating:
-            t = Tokenizer.from_str(self.tok.to_str())
-            t.enable_truncation(max_len, strategy="longest_first")
-            self._truncating[max_len] = t
-        return self._truncating[max_len]
-
-    def encode(self, text, pair=None):
-        return self.encode_plus(text, pair)[0]
-
-    def decode(self, ids):
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-
-def _add_specials(tok, vocab, config, lstrip_mask=False):
-    """Register the special tokens that exist in the vocabulary, so "<s>" / "[MASK]" in text stay whole."""
-    added = config.get("added_tokens_decoder", {})  # HF: {id: {"content", "lstrip", ...}}
-    lstrip = {v.get("content"): bool(v.get("lstrip")) for v in added.values() if isinstance(v, dict)}
-    names = []
-    for role, defaults in SPECIAL_TOKENS.items():
-        names += [n for n in [_config_token(config, role), *defaults] if n is not None and n in vocab]
-    seen = []
-    for n in names:
-        if n not in seen:
-            seen.append(n)
-    tok.add_special_tokens([AddedToken(n, special=True, normalized=False,
-                                       lstrip=lstrip.get(n, lstrip_mask and n == "<mask>")) for n in seen])
-
-
-def build_roberta_bpe(files, config):
-    """RoBERTa's byte-level BPE from vocab.json + merges.txt (GPT-2 byte-to-unicode alphabet, no unk)."""
-    vocab = json.loads(files["vocab.json"].decode("utf-8"))
-    merges = []
-    for line in files["merges.txt"].decode("utf-8").split("\n"):
-        line = line.rstrip("\r")
-        if not line or line.startswith("#version"):
-            continue
-        a, b = line.split(" ")
-        merges.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False))
-    add_prefix_space = bool(config.get("add_prefix_space", False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
-    tok.decoder = decoders.ByteLevel()
-    _add_specials(tok, vocab, config)
-    ids = _special_ids(tok.token_to_id, config)
-    cls, sep = tok.id_to_token(ids["cls"]), tok.id_to_token(ids["sep"])
-    # <s> A </s>  and  <s> A </s> </s> B </s>, type ids all 0
-    tok.post_processor = processors.RobertaProcessing((sep, ids["sep"]), (cls, ids["cls"]),
-                                                      trim_offsets=bool(config.get("trim_offsets", True)),
-                                                      add_prefix_space=add_prefix_space)
-    return tok
-
-
-def build_bert_wordpiece(files, config):
-    """BERT's WordPiece from vocab.txt (one token a line, id = line number), BertNormalizer + pre-tokenizer."""
-    lines = files["vocab.txt"].decode("utf-8").replace("\r\n", "\n").split("\n")
-    if lines and lines[-1] == "":
-        lines = lines[:-1]
-    vocab = {}
-    for i, token in enumerate(lines):
-        vocab[token] = i
-    unk = next((n for n in (_config_token(config, "unk"), "[UNK]", "<unk>") if n in vocab), "[UNK]")
-    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
-    tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
-        strip_accents=config.get("strip_accents"), lowercase=bool(config.get("do_lower_case", True)))
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    _add_specials(tok, vocab, config)
-    ids = _special_ids(tok.token_to_id, config)
-    cls, sep = tok.id_to_token(ids["cls"]), tok.id_to_token(ids["sep"])
-    # [CLS] A [SEP]  and  [CLS] A [SEP] B [SEP] with type ids 0 .. 0 1 .. 1
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
-        special_tokens=[(cls, ids["cls"]), (sep, ids["sep"])])
-    return tok
-
-
-class SentencePieceTokenizer:
-    """A SentencePiece model, in one of two id layouts.
-
-    fairseq=True (XLM-R's sentencepiece.bpe.model, as transformers' XLMRobertaTokenizer maps it):
-      <s>=0 <pad>=1 </s>=2 <unk>=3; spm piece p (p >= 3) -> p + 1; spm 0 '<unk>' -> 3; <mask> = len(spm) + 1.
-      Pairs: <s> A </s> </s> B </s>, type ids all 0.
-    fairseq=False (our from-scratch model, see train_sentencepiece): ids are the spm ids,
-      pad=0 unk=1 cls(<s>)=2 sep(</s>)=3 mask=4. Pairs: <s> A </s> B </s>, type ids all 0 (RoBERTa style).
-    A literal "<mask>" in text is not recognised in the fairseq layout (the HF tokenizer.json path does).
-    """
-
-    def __init__(self, model_bytes, files, fairseq):
-        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
-        self.files, self.fairseq = files, fairseq
-        n = self.sp.get_piece_size()
-        if fairseq:
-            self.cls_id, self.pad_id, self.sep_id, self.unk_id, self.mask_id = 0, 1, 2, 3, n + 1
-            self.vocab_size = n + 2
-        else:
-            ids = _special_ids(self._piece_id, {})
-            self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
-                ids["pad"], ids["unk"], ids["cls"], ids["sep"], ids["mask"])
-            self.vocab_size = n
-
-    def _piece_id(self, piece):
-        i = self.sp.piece_to_id(piece)  # spm answers unk_id for an unknown piece
-        return i if self.sp.id_to_piece(i) == piece else None
-
-    def _pieces(self, text):
-        ids = self.sp.encode(text)
-        if self.fairseq:
-            return [p + 1 if p else self.unk_id for p in ids]  # fairseq offset 1, spm <unk> (0) -> 3
-        return ids
-
-    def encode_plus(self, text, pair=None, max_len=None):
-        a = self._pieces(text)
-        b = self._pieces(pair) if pair is not None else None
-        n_special = 2 if b is None else (4 if self.fairseq else 3)
-        if max_len is not None:
-            a, b = _longest_first(a, b or [], max_len - n_special)
-            b = b if pair is not None else None
-        ids = [self.cls_id] + a + [self.sep_id]
-        if b is not None:
-            ids += ([self.sep_id] if self.fairseq else []) + b + [self.sep_id]
-        return ids, [0] * len(ids)
-
-    def encode(self, text, pair=None):
-        return self.encode_plus(text, pair)[0]
-
-    def decode(self, ids):
-        special = {self.cls_id, self.pad_id, self.sep_id, self.mask_id}
-        ids = [int(i) for i in ids if int(i) not in special]
-        if self.fairseq:
-            ids = [i - 1 if i != self.unk_id else 0 for i in ids]
-        return self.sp.decode(ids)
-
-
-def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
-    """Train (or reuse) a from-scratch SentencePiece model on the training texts (SPEC 4, from scratch).
-
-    Writes MODEL_PREFIX_PATH-<key>.model beside the data, where <key> is a hash of the vocab size, the model
-    type and every training text: the same data reuses the model, changed data trains a new one.
-    Fixed ids: pad=0, unk=1, cls=<s>=2, sep=</s>=3, mask=<mask>=4 (a user-defined symbol).
-    """
-    texts = [t for t in texts if t.strip()]
-    key = hashlib.sha1(f"{vocab_size} {model_type}".encode())
-    for t in texts:
-        key.update(t.encode("utf-8") + b"\n")
-    model_prefix_path = f"{model_prefix_path}-{key.hexdigest()[:12]}"
-    path = model_prefix_path + ".model"
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            return _scratch_spm(f.read())
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_prefix=model_prefix_path,
-            vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
-            bos_piece="<s>", eos_piece="</s>", user_defined_symbols=["<mask>"],
-            input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
-    except RuntimeError as e:  # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
-        raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]}") from None
-    with open(path, "rb") as f:
-        return _scratch_spm(f.read())
-
-
-def _scratch_spm(model_bytes):
-    files = {KIND_FILE: json.dumps({"kind": "sentencepiece"}).encode(), SPM_FILE: model_bytes}
-    return SentencePieceTokenizer(model_bytes, files, fairseq=False)
-
-
-class ListOpsTokenizer:
-    """Fixed ListOps vocabulary (SPEC 4): specials, the 10 digits, the 4 operators and ']'.
-
-    Input = whitespace tokens of LRA's Source string with "(" and ")" dropped, [cls] prepended (the first
-    token is the global / classifier token). No [sep] is appended. (LRA's own pipeline also drops ']' and '[';
-    we keep them, as SPEC 4 says only the parentheses go.)
-    """
-
-    SYMBOLS = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"] + [str(d) for d in range(10)] + \
-              ["[MIN", "[MAX", "[MED", "[SM", "]"]
-
-    def __init__(self):
-        self.vocab = {s: i for i, s in enumerate(self.SYMBOLS)}
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = 0, 1, 2, 3, 4
-        self.vocab_size = len(self.SYMBOLS)
-        self.files = {KIND_FILE: json.dumps({"kind": "listops", "symbols": self.SYMBOLS}).encode()}
-
-    def _pieces(self, text):
-        return [self.vocab.get(t, self.unk_id) for t in text.split() if t not in ("(", ")")]
-
-    def encode_plus(self, text, pair=None, max_len=None):
-        ids = [self.cls_id] + self._pieces(text)
-        if pair is not None:
-            ids += [self.sep_id] + self._pieces(pair)
-        if max_len is not None:
-            ids = ids[:max_len]  # LRA cuts inputs at max_length
-        return ids, [0] * len(ids)
-
-    def encode(self, text, pair=None):
-        return self.encode_plus(text, pair)[0]
-
-    def decode(self, ids):
-        return " ".join(self.SYMBOLS[int(i)] for i in ids if int(i) > self.mask_id)
-
-
-def tokenizer_from_files(files):
-    """Build the right tokenizer from {filename: bytes} (an HF folder's files or a checkpoint's)."""
-    if KIND_FILE in files:
-        kind = json.loads(files[KIND_FILE].decode("utf-8")).get("kind")
-        if kind == "sentencepiece":
-            return _scratch_spm(files[SPM_FILE])
-        if kind == "listops":
-            return ListOpsTokenizer()
-        raise DataError(f"unknown tokenizer kind {kind!r} in {KIND_FILE}")
-    config = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
-        if name in files:
-            config.update(json.loads(files[name].decode("utf-8")))
-    if "tokenizer.json" in files:
-        return HFTokenizer(Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")), files, config)
-    if "vocab.json" in files and "merges.txt" in files:
-        return HFTokenizer(build_roberta_bpe(files, config), files, config)
-    if "vocab.txt" in files:
-        return HFTokenizer(build_bert_wordpiece(files, config), files, config)
-    if "sentencepiece.bpe.model" in files:
-        return SentencePieceTokenizer(files["sentencepiece.bpe.model"], files, fairseq=True)
-    raise DataError(f"no supported tokenizer files (have {sorted(files)}; need tokenizer.json, "
-                    "vocab.json+merges.txt, vocab.txt or sentencepiece.bpe.model)")
-
-
-def files_to_tensors(files):
-    """{name: bytes} -> {name: uint8 tensor}, the checkpoint format (torch.load weights_only=True safe)."""
-    return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
-            torch.zeros(0, dtype=torch.uint8) for name, data in files.items()}
-
-
-def read_tokenizer_folder(folder):
-    """{filename: bytes} of the tokenizer files in an HF folder (what converted checkpoints embed)."""
-    files = {}
-    for name in HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE):
-        p = os.path.join(folder, name)
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                files[name] = f.read()
-    return files
-
-
-def tensors_to_files(stored):
-    """{name: uint8 tensor} (a checkpoint's ckpt["tokenizer"]["files"]) -> {name: bytes}; see files_to_tensors."""
-    return {name: t.numpy().tobytes() for name, t in stored.items()}
-
-
-def load_tokenizer(path):
-    """Tokenizer of an HF folder or of a converted / trained `.pt` checkpoint (files under ckpt["tokenizer"])."""
-    if os.path.isdir(path):
-        files = read_tokenizer_folder(path)
-    elif os.path.isfile(path):
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # not a torch file, or not weights_only-safe
-            raise DataError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
-        try:
-            stored = ckpt["tokenizer"]["files"]
-        except (KeyError, TypeError):
-            raise DataError(f"{path}: checkpoint has no tokenizer files (ckpt['tokenizer']['files'])") from None
-        files = tensors_to_files(stored)
-    else:
-        raise DataError(f"{path}: no such tokenizer folder or checkpoint")
-    return tokenizer_from_files(files)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. Datasets
+# 1. Datasets
 # ----------------------------------------------------------------------------------------------------------
 
 @dataclass
 class Example:
     ids: list[int]              # token ids, special tokens included
     type_ids: list[int] | None  # segment ids, or None (= all zeros)
-    label: int | float          # class index, or float score for regression (STS-B)
+    label: int | float          # class index, or float score for regression (STS-B); qa.py: (start, end)
+
+
+@dataclass
+class PairExample:
+    """Two documents and one label (LRA Retrieval): the dual encoder encodes each document on its own."""
+    ids: list[int]              # first document, [cls] + tokens
+    ids2: list[int]             # second document
+    label: int
+    type_ids: None = None
 
 
 @dataclass
@@ -411,7 +73,8 @@ class TaskData:
     metric_name: str      # the main metric, a key of compute_metrics' dict
     label_names: list     # class index -> label string
     n_truncated: int = 0  # examples cut to max_len (the caller warns once)
-    n_skipped: int = 0    # malformed rows skipped (QQP only, see TASKS)
+    n_skipped: int = 0    # malformed rows skipped (QQP only, see TASKS; qa.py: answers not found in the text)
+    head: str = "cls"     # the model head it needs (model.Config.head): "cls", "pair" (lra-retrieval), "span" (squad)
 
 
 # The nine GLUE tasks, in the official GLUE folder layout (SPEC 4). Columns are header names, or 0-based
@@ -438,8 +101,25 @@ TASKS = {
                  label="label", labels=["0", "1"], metric="acc"),
 }
 # QQP: transformers' GLUE processor skips QQP rows with missing columns; we do the same (and count them).
-OTHER_TASKS = {"tsv": "acc", "listops": "acc", "mlm": "loss"}
+LRA_TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")   # readers in lra.py
+OTHER_TASKS = {"tsv": "acc", "listops": "acc", **{t: "acc" for t in LRA_TASKS}, "squad": "f1", "mlm": "loss"}
 VALID_TASKS = list(TASKS) + list(OTHER_TASKS)
+
+
+def fixed_tokenizer(task):
+    """The tokenizer a task's inputs define (ListOps symbols, LRA bytes / pixels), or None (text: trained or the
+    checkpoint's own)."""
+    if task == "listops":
+        return ListOpsTokenizer()
+    if task in LRA_TASKS:
+        return ByteTokenizer()
+    return None
+
+
+def default_max_len(task):
+    """--max-len when not given: LRA's input lengths for its tasks, 512 otherwise."""
+    import lra
+    return lra.DEFAULT_MAX_LEN.get(task, 512)
 
 
 def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
@@ -700,6 +380,9 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
     elif name == "tsv":
         records = read_generic(_train_path(name, data_dir, train_file), text_col=text_col, label_col=label_col,
                                text_pair_col=text_pair_col)
+    elif task == "squad":
+        import qa
+        return qa.training_texts(data_dir, train_file)
     elif name == "mlm":
         texts = []
         for path in _mlm_paths(data_dir, train_file)[0]:          # the files load_task trains on
@@ -713,7 +396,14 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
 
 def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_col=None, label_col=None,
               train_file=None, dev_file=None, header="auto"):
-    """TaskData for a GLUE task, "tsv" (any labelled file), "listops" or "mlm" (SPEC 4)."""
+    """TaskData for a GLUE task, "tsv" (any labelled file), "listops", "mlm" (SPEC 4), an LRA task (lra.py) or
+    "squad" (extractive QA, qa.py)."""
+    if task in LRA_TASKS:
+        import lra                                  # imported here: lra.py builds on this module
+        return lra.load(task, data_dir, tokenizer, max_len)
+    if task == "squad":
+        import qa
+        return qa.load(data_dir, tokenizer, max_len, train_file=train_file, dev_file=dev_file)
     name = task.lower().replace("-", "")
     stats = {"truncated": 0}
     if name in TASKS:
@@ -758,6 +448,91 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
         dev = {"dev": read_mlm(dev_paths, tokenizer, max_len, stats)} if dev_paths else {}
         return TaskData(train, dev, 0, False, "loss", [], stats["truncated"])
     raise DataError(f"unknown task {task!r}; valid: {', '.join(VALID_TASKS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Batching: deterministic length buckets, dynamic padding
+# ----------------------------------------------------------------------------------------------------------
+
+def collate(examples, pad_id, multiple_of=1):
+    """Pad to the longest example, rounded up to multiple_of. Returns the batch dict of the contract.
+    PairExamples: both documents padded to one length, input_ids etc. [B, 2, L] (see flatten_pairs)."""
+    if isinstance(examples[0], PairExample):
+        docs = [Example(d, None, e.label) for e in examples for d in (e.ids, e.ids2)]   # pair i -> rows 2i, 2i+1
+        flat = collate(docs, pad_id, multiple_of)
+        B = len(examples)
+        batch = {k: v.view(B, 2, -1) for k, v in flat.items() if k != "labels"}        # [B, 2, L]
+        return {**batch, "labels": flat["labels"][::2]}                                # [B]
+    L = max(len(e.ids) for e in examples)
+    L = -(-L // multiple_of) * multiple_of
+    B = len(examples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)          # [B, L]
+    attention_mask = torch.zeros((B, L), dtype=torch.long)            # [B, L], 1 = real token
+    token_type_ids = torch.zeros((B, L), dtype=torch.long)            # [B, L]
+    for i, e in enumerate(examples):
+        n = len(e.ids)
+        input_ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        if e.type_ids is not None:
+            token_type_ids[i, :n] = torch.tensor(e.type_ids, dtype=torch.long)
+    regression = any(isinstance(e.label, float) for e in examples)
+    labels = torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long)  # [B]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
+            "labels": labels}
+
+
+def flatten_pairs(batch):
+    """[B, 2, L] pair tensors -> [2B, L], the two documents of pair i in rows 2i and 2i + 1 (model.PairHead pairs
+    them back). Batches keep pairs as [B, 2, L] until here so that splitting a batch across processes keeps
+    each pair whole."""
+    return {k: v.flatten(0, 1) if k != "labels" else v for k, v in batch.items()}
+
+
+def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches=50):
+    """An epoch's batches as lists of example indices, deterministic given (seed, epoch); no tensors yet, so
+    a large task costs a list of ints, and each batch is padded (collate) only when it is used.
+
+    shuffle=True: shuffle, sort by length inside chunks of bucket_batches batches (similar lengths share a
+    batch, little padding), cut into batches, shuffle the batch order. shuffle=False: original order (eval).
+    """
+    order = list(range(len(lengths)))
+    if shuffle:
+        rng = np.random.default_rng([seed, epoch])
+        order = [int(i) for i in rng.permutation(len(lengths))]
+        chunk = batch_size * bucket_batches
+        order = [i for s in range(0, len(order), chunk) for i in sorted(order[s:s + chunk], key=lambda j: lengths[j])]
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    if shuffle:
+        batches = [batches[int(i)] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1, bucket_batches=50):
+    """All batches of batch_plan, padded (the batch dicts of the contract). For dev sets and tests; the
+    training loop pads its batches one at a time."""
+    plan = batch_plan([len(e.ids) for e in examples], batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
+                      bucket_batches=bucket_batches)
+    return [collate([examples[i] for i in b], pad_id, multiple_of) for b in plan]
+
+
+
+def mask_tokens(input_ids, attention_mask, *, mask_id, vocab_size, special_ids, generator=None, mlm_prob=0.15):
+    """Select each real, non-special token with probability mlm_prob; of the selected: 80% -> mask_id,
+    10% -> a uniformly random token, 10% unchanged. Returns (masked_ids [B, L], labels [B, L]) with
+    labels = original id where selected, -100 elsewhere (ignored by cross-entropy).
+    generator must live on input_ids' device (or be None: the global RNG)."""
+    dev, shape = input_ids.device, input_ids.shape
+    special = torch.tensor(sorted(set(int(i) for i in special_ids)), dtype=input_ids.dtype, device=dev)
+    candidate = attention_mask.bool() & ~torch.isin(input_ids, special)                    # [B, L]
+    selected = torch.bernoulli(torch.full(shape, mlm_prob, device=dev), generator=generator).bool() & candidate
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))            # [B, L]
+    to_mask = torch.bernoulli(torch.full(shape, 0.8, device=dev), generator=generator).bool() & selected
+    # half of the remaining 20% -> random token (10% overall), the other half unchanged
+    to_random = torch.bernoulli(torch.full(shape, 0.5, device=dev), generator=generator).bool() & selected & ~to_mask
+    random_ids = torch.randint(vocab_size, shape, generator=generator, dtype=input_ids.dtype, device=dev)
+    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(to_random, random_ids, masked)
+    return masked, labels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -824,7 +599,7 @@ def compute_metrics(task_name, preds, labels):
         return {"mcc": matthews_corrcoef(preds, labels), "acc": accuracy(preds, labels)}
     if name in ("mrpc", "qqp"):
         return {"f1": f1_binary(preds, labels), "acc": accuracy(preds, labels)}
-    if name in TASKS or name in ("tsv", "listops"):
+    if name in TASKS or name in ("tsv", "listops") or task_name in LRA_TASKS:
         return {"acc": accuracy(preds, labels)}
     raise DataError(f"no metrics for task {task_name!r}; valid: {', '.join(VALID_TASKS[:-1])}")
 
@@ -940,82 +715,23 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 5. Masked-LM masking (BERT / RoBERTa recipe)
+# 5. CLI
 # ----------------------------------------------------------------------------------------------------------
 
-def mask_tokens(input_ids, attention_mask, *, mask_id, vocab_size, special_ids, generator=None, mlm_prob=0.15):
-    """Select each real, non-special token with probability mlm_prob; of the selected: 80% -> mask_id,
-    10% -> a uniformly random token, 10% unchanged. Returns (masked_ids [B, L], labels [B, L]) with
-    labels = original id where selected, -100 elsewhere (ignored by cross-entropy).
-    generator must live on input_ids' device (or be None: the global RNG)."""
-    dev, shape = input_ids.device, input_ids.shape
-    special = torch.tensor(sorted(set(int(i) for i in special_ids)), dtype=input_ids.dtype, device=dev)
-    candidate = attention_mask.bool() & ~torch.isin(input_ids, special)                    # [B, L]
-    selected = torch.bernoulli(torch.full(shape, mlm_prob, device=dev), generator=generator).bool() & candidate
-    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))            # [B, L]
-    to_mask = torch.bernoulli(torch.full(shape, 0.8, device=dev), generator=generator).bool() & selected
-    # half of the remaining 20% -> random token (10% overall), the other half unchanged
-    to_random = torch.bernoulli(torch.full(shape, 0.5, device=dev), generator=generator).bool() & selected & ~to_mask
-    random_ids = torch.randint(vocab_size, shape, generator=generator, dtype=input_ids.dtype, device=dev)
-    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
-    masked = torch.where(to_random, random_ids, masked)
-    return masked, labels
+def describe_task(task, data_dir, max_len=None, tokenizer_path=None):
+    """{split: {examples, mean_len, max_len, labels}} of a task folder: checks that its files read cleanly.
+    Lengths in tokens ([cls] included; a pair: its longer document)."""
+    tok = load_tokenizer(tokenizer_path) if tokenizer_path else fixed_tokenizer(task)
+    data = load_task(task, data_dir, tok, max_len=max_len or default_max_len(task))
+    out = {}
+    for split, examples in [("train", data.train), *data.dev.items()]:
+        lengths = [max(len(e.ids), len(e.ids2)) if isinstance(e, PairExample) else len(e.ids) for e in examples]
+        out[split] = {"examples": len(examples), "mean_len": round(float(np.mean(lengths)), 1),
+                      "max_len": max(lengths)}
+        if data.head != "span":
+            out[split]["labels"] = np.bincount([e.label for e in examples], minlength=data.num_labels).tolist()
+    return {"task": task, "truncated": data.n_truncated, "skipped": data.n_skipped, **out}
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 6. Batching: deterministic length buckets, dynamic padding
-# ----------------------------------------------------------------------------------------------------------
-
-def collate(examples, pad_id, multiple_of=1):
-    """Pad to the longest example, rounded up to multiple_of. Returns the batch dict of the contract."""
-    L = max(len(e.ids) for e in examples)
-    L = -(-L // multiple_of) * multiple_of
-    B = len(examples)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)          # [B, L]
-    attention_mask = torch.zeros((B, L), dtype=torch.long)            # [B, L], 1 = real token
-    token_type_ids = torch.zeros((B, L), dtype=torch.long)            # [B, L]
-    for i, e in enumerate(examples):
-        n = len(e.ids)
-        input_ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        if e.type_ids is not None:
-            token_type_ids[i, :n] = torch.tensor(e.type_ids, dtype=torch.long)
-    regression = any(isinstance(e.label, float) for e in examples)
-    labels = torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long)  # [B]
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
-            "labels": labels}
-
-
-def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches=50):
-    """An epoch's batches as lists of example indices, deterministic given (seed, epoch); no tensors yet, so
-    a large task costs a list of ints, and each batch is padded (collate) only when it is used.
-
-    shuffle=True: shuffle, sort by length inside chunks of bucket_batches batches (similar lengths share a
-    batch, little padding), cut into batches, shuffle the batch order. shuffle=False: original order (eval).
-    """
-    order = list(range(len(lengths)))
-    if shuffle:
-        rng = np.random.default_rng([seed, epoch])
-        order = [int(i) for i in rng.permutation(len(lengths))]
-        chunk = batch_size * bucket_batches
-        order = [i for s in range(0, len(order), chunk) for i in sorted(order[s:s + chunk], key=lambda j: lengths[j])]
-    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    if shuffle:
-        batches = [batches[int(i)] for i in rng.permutation(len(batches))]
-    return batches
-
-
-def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1, bucket_batches=50):
-    """All batches of batch_plan, padded (the batch dicts of the contract). For dev sets and tests; the
-    training loop pads its batches one at a time."""
-    plan = batch_plan([len(e.ids) for e in examples], batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
-                      bucket_batches=bucket_batches)
-    return [collate([examples[i] for i in b], pad_id, multiple_of) for b in plan]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 7. CLI
-# ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="attnreg data tools")
@@ -1030,6 +746,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--max-args", type=int, default=10)
+    for task in LRA_TASKS + ("squad",):
+        c = sub.add_parser(task, help=f"read a {task} data folder (docs/tasks.md) and print its statistics")
+        c.add_argument("data_dir")
+        c.add_argument("--max-len", type=int, default=None, help="tokens per example (default: the task's)")
+        if task == "squad":
+            c.add_argument("--tokenizer", required=True, help="an HF folder or .pt checkpoint whose tokenizer to use")
     t = sub.add_parser("tokenize", help="print the ids of a text (and pair) with a checkpoint's tokenizer")
     t.add_argument("path")
     t.add_argument("text")
@@ -1040,6 +762,8 @@ def main(argv=None):
             paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len,
                                   args.seed, args.max_depth, args.max_args, progress=True)
             print(" ".join(paths.values()))
+        elif args.command in LRA_TASKS or args.command == "squad":
+            print(json.dumps(describe_task(args.command, args.data_dir, args.max_len, getattr(args, "tokenizer", None))))
         else:
             ids, type_ids = load_tokenizer(args.path).encode_plus(args.text, args.pair)
             print(json.dumps({"ids": ids, "type_ids": type_ids}))

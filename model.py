@@ -51,6 +51,7 @@ class Config:
     # --- heads ---
     num_labels: int = 0               # 0: no classifier; 1: regression (MSE); >= 2: classification
     classifier_dropout_p: float = -1.0  # < 0: use hidden_dropout_p (as HF does for classifier_dropout=None)
+    head: str = "cls"                 # "cls": first token; "pair": LRA retrieval's dual encoder; "span": QA start/end
     # --- attention topology (methods.md §2; sparse.py) ---
     attention: str = "dense"          # "dense" | "sparse" (BigBird-style) | "hst" (ERNIE-Sparse)
     block_size: int = 64              # b; sequences are padded to a multiple of b under sparse / hst
@@ -95,6 +96,8 @@ def check_config(cfg):
     for name in ("hidden_dropout_p", "attn_dropout_p", "layerdrop", "attn_layerdrop"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ValueError(f"{name} = {getattr(cfg, name)} must be in [0, 1) (--{name.replace('_', '-')})")
+    if cfg.head not in ("cls", "pair", "span"):
+        raise ValueError(f"unknown head {cfg.head!r}: 'cls', 'pair' or 'span'")
     if cfg.ffn_chunk < 0:
         raise ValueError(f"ffn_chunk = {cfg.ffn_chunk} must be >= 0 (--ffn-chunk; 0 = no chunking)")
     if cfg.block_size < 1 or cfg.window < 0 or cfg.num_global < 0 or cfg.num_random < 0:
@@ -277,6 +280,46 @@ class ClassifierHead(nn.Module):
         return self.out_proj(self.drop(torch.tanh(self.dense(self.drop(h0)))))        # [B, num_labels]
 
 
+class PairHead(nn.Module):
+    """LRA Retrieval's dual-encoder head (LRA classifier_head_dual, interaction "NLI"). The two documents of pair i
+    come as rows 2i and 2i + 1 (data.flatten_pairs), each encoded on its own by the same encoder; pooled by their
+    first token: u, v [B, d];  z = [u, v, u * v, u - v] [B, 4d];  logits = W3 relu(W2 relu(W1 Drop(z))),
+    hidden sizes FFN and FFN / 2 (LRA: mlp_dim, mlp_dim // 2)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        p = cfg.classifier_dropout_p if cfg.classifier_dropout_p >= 0 else cfg.hidden_dropout_p
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        self.mlp = nn.Sequential(nn.Dropout(p), nn.Linear(4 * d, m), nn.ReLU(), nn.Linear(m, m // 2), nn.ReLU(),
+                                 nn.Linear(m // 2, cfg.num_labels))
+
+    def forward(self, h):                                                             # h: [2B, L, d]
+        u, v = h[0::2, 0], h[1::2, 0]                                                 # [B, d] each
+        return self.mlp(torch.cat([u, v, u * v, u - v], dim=-1))                      # [B, num_labels]
+
+
+class SpanHead(nn.Module):
+    """Extractive QA (BERT's SQuAD head): a start and an end logit per token, (s_i, e_i) = W h_i + b (qa.py)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.out = nn.Linear(cfg.hidden_size, 2)
+
+    def forward(self, h):                                                             # h: [B, L, d]
+        return self.out(h)                                                            # [B, L, 2]: start, end
+
+
+def make_head(cfg):
+    """The task head of Config.head (None without labels: MLM only)."""
+    if cfg.num_labels == 0:
+        return None
+    if cfg.head == "pair":
+        return PairHead(cfg)
+    if cfg.head == "span":
+        return SpanHead(cfg)
+    return ClassifierHead(cfg)
+
+
 class Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -285,7 +328,7 @@ class Model(nn.Module):
         self.emb = Embeddings(cfg)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.mlm = MLMHead(cfg)
-        self.cls = ClassifierHead(cfg) if cfg.num_labels > 0 else None
+        self.cls = make_head(cfg)        # classifier, LRA retrieval's pair head or QA's span head (Config.head)
         # HST: a learned vector added to the mean-pooled block representatives, zero at start (methods.md §2.2)
         self.rep_embedding = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.attention == "hst" else None
         self.apply(self._init_weights)
@@ -370,7 +413,9 @@ class Model(nn.Module):
         return self.mlm(h, self.emb.word.weight)                                    # [B, L, vocab]
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, head="cls", views=1):
-        """Classifier / regression logits [B, num_labels] from the first token (head="mlm": mlm_logits)."""
+        """Classifier / regression logits [B, num_labels] from the first token (head="mlm": mlm_logits).
+        Config.head "pair": input rows 2i, 2i + 1 are the documents of pair i, logits [B, num_labels];
+        "span": start / end logits [B, L, 2]."""
         if head == "mlm":
             return self.mlm_logits(input_ids, attention_mask, token_type_ids, position_ids)
         if self.cls is None:

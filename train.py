@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
+import qa
 import sar
 from attendout import GNET, DropRateLogger, drop_rates, hold_budget
 from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, check_replicas, fail, gather_rng_states,
@@ -66,7 +67,7 @@ def make_parser():
     g.add_argument("--text-col", default=None, help="--task tsv: text column (name or 0-based index)")
     g.add_argument("--text-pair-col", default=None, help="--task tsv: optional second text column")
     g.add_argument("--label-col", default=None, help="--task tsv: label column")
-    g.add_argument("--max-len", type=int, default=None, help="tokens per example (default: 512, or the model's limit)")
+    g.add_argument("--max-len", type=int, default=None, help="tokens per example (default: 512, LRA tasks: LRA's lengths, docs/tasks.md; at most the model's limit)")
     g.add_argument("--no-truncate", action="store_true", help="fail on examples longer than --max-len instead of truncating")
     g.add_argument("--vocab-size", type=int, default=8000, help="from scratch on text: SentencePiece vocabulary size")
 
@@ -179,8 +180,9 @@ def load_tokenizer(args, data_dir, stored_files=None):
     or a SentencePiece model trained on the training texts (rank 0 trains it, the others read the cached file)."""
     if stored_files is not None:
         return data.tokenizer_from_files(data.tensors_to_files(stored_files))
-    if args.task == "listops":
-        return data.ListOpsTokenizer()
+    fixed = data.fixed_tokenizer(args.task)     # ListOps symbols, LRA bytes / pixels
+    if fixed is not None:
+        return fixed
     if dist.is_initialized() and not is_main():
         dist.barrier()
     texts = data.training_texts(args.task, data_dir, text_col=args.text_col, text_pair_col=args.text_pair_col,
@@ -219,11 +221,11 @@ def make_model(args, tok, task, init):
         room = args.max_len + max(args.sar_shift, args.eval_shift, 0) + 1
         cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                      intermediate_size=args.ffn, max_positions=room, type_vocab_size=2, pad_id=tok.pad_id,
-                     layer_norm_eps=1e-12, position_style="bert", num_labels=task.num_labels)
+                     layer_norm_eps=1e-12, position_style="bert", num_labels=task.num_labels, head=task.head)
         cfg = apply_overrides(cfg, overrides)
         return Model(cfg)
     cfg, state, _ = init
-    cfg = apply_overrides(cfg, {**overrides, "num_labels": task.num_labels})
+    cfg = apply_overrides(cfg, {**overrides, "num_labels": task.num_labels, "head": task.head})
     return build_model(cfg, state, args.init)
 
 
@@ -231,7 +233,8 @@ def choose_max_len(args, model_cfg):
     """--max-len, kept within the model's position table (model_cfg None: from scratch, sized from --max-len)."""
     limit = None if model_cfg is None else model_cfg.max_len
     if args.max_len is None:
-        args.max_len = 512 if limit is None else min(512, limit)
+        default = data.default_max_len(args.task)       # 512; LRA's lengths for its tasks
+        args.max_len = default if limit is None else min(default, limit)
     elif limit is not None and args.max_len > limit:
         warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions extends "
              f"the position table): using {limit}")
@@ -338,8 +341,17 @@ def compute_loss(model, raw, batch, args, task, tok):
     Model itself (for attributes). AttendOut adds no term here: its budget is held after the optimizer step
     (train_step, attendout.hold_budget)."""
     parts = {}
+    if task.head == "pair":   # LRA retrieval: [B, 2, L] -> [2B, L], pair i = rows 2i, 2i + 1
+        batch = data.flatten_pairs(batch)
     if task.num_labels == 0:
         loss = mlm_loss(model, batch, tok)
+    elif task.head == "span":  # extractive QA: start / end cross-entropy (qa.py), with SAR / R-Drop if asked
+        if args.sar > 0 or args.rdrop > 0:
+            loss, ce, cons = qa.sar_span_loss(model, batch, args.sar or args.rdrop, args.sar_shift if args.sar else 0)
+            parts.update(ce=ce.item(), consistency=cons.item())
+        else:
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])   # [B, L, 2]
+            loss = qa.span_loss(logits, batch["labels"], batch["attention_mask"])
     elif args.sar > 0:        # SAR (methods.md §2.3): both topologies, CE + alpha * symmetric KL
         loss, ce, cons = sar.sar_loss(model, batch, args.sar, args.sar_shift, task.is_regression)
         parts.update(ce=ce.item(), consistency=cons.item())
@@ -355,6 +367,8 @@ def compute_loss(model, raw, batch, args, task, tok):
 @torch.no_grad()
 def evaluate(raw, task, args, device, tok, shift_by=0):
     """Dev metrics of every split (the model in eval mode; one pass, original topology unless shift_by)."""
+    if task.head == "span":   # extractive QA: best span per question, EM / F1 (qa.py)
+        return qa.evaluate(raw, task, args.batch_size, device, shift_by)
     raw.eval()
     out = {}
     for split, examples in task.dev.items():
@@ -362,6 +376,8 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
         # padded to the longest example only: the model pads to its block size itself (Model.pad_to_block)
         for batch in data.make_batches(examples, args.batch_size, pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
             batch = {k: v.to(device) for k, v in batch.items()}
+            if task.head == "pair":
+                batch = data.flatten_pairs(batch)
             with autocast(device):
                 if task.num_labels == 0:
                     g = torch.Generator().manual_seed(len(losses))
@@ -707,7 +723,7 @@ def stop_nonfinite(r, what):
 def majority_baseline(task, task_name):
     """The task's main metric for always predicting the most common training label, on the first dev split
     (so a CoLA run compares its MCC with the majority class's MCC, 0, not with its accuracy)."""
-    if task.is_regression or task.num_labels == 0 or not task.dev:
+    if task.is_regression or task.num_labels == 0 or task.head == "span" or not task.dev:
         return None
     counts = np.bincount([e.label for e in task.train], minlength=task.num_labels)
     labels = np.array([e.label for e in next(iter(task.dev.values()))])

@@ -287,8 +287,8 @@ def test_qqp_skips_short_rows_and_unknown_task(tmp_path, bert_tok):
     (d / "dev.tsv").write_text(text)
     td = data.load_task("qqp", str(d), bert_tok, max_len=32)
     assert len(td.train) == 1 and td.n_skipped == 2
-    with pytest.raises(DataError, match="unknown task 'squad'.*cola.*listops.*mlm"):
-        data.load_task("squad", str(d), bert_tok, max_len=32)
+    with pytest.raises(DataError, match="unknown task 'foo'.*cola.*listops.*mlm"):
+        data.load_task("foo", str(d), bert_tok, max_len=32)
 
 
 def test_generic_tsv_csv_jsonl(tmp_path, bert_tok):
