@@ -349,7 +349,7 @@ def pretrained_sparse(a):
 def pretrained_note(a, extra=""):
     settings = "; ".join(f"{s}: {'all' if PRE_SETTINGS[s][0] is None else PRE_SETTINGS[s][0]} training examples, "
                          f"{PRE_SETTINGS[s][1]} epoch(s)" for s in a.settings)
-    return (f"Fine-tuned from {a.init}; {settings} (subsample: first {SUBSAMPLE} lines after "
+    return (f"Command: `python experiments.py {' '.join(sys.argv[1:])}`. Fine-tuned from {a.init}; {settings} (subsample: first {SUBSAMPLE} lines after "
             f"random.Random({SUBSAMPLE_SEED}).shuffle, experiments.write_subsample). Seeds {a.seeds}; mean +- std "
             f"over seeds of the final weights' dev accuracy; paired difference to the baseline row with a 95% "
             f"t-interval over seeds. {extra}Common flags: {' '.join(PRE_COMMON + a.extra)}")
