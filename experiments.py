@@ -11,13 +11,28 @@ The two experiments:
              from scratch: standard vs attendout vs scheduled (replaying AttendOut's own drop-rate log) vs
              LayerDrop vs Attn.LayerDrop vs none; and the learned per-layer drop rate over training.
 
+And the same two comparisons in the papers' regime, fine-tuning a pretrained checkpoint (`--init PATH`, e.g.
+MiniLM-L6 converted with `python model.py convert`), 5 / 3 seeds, each method's PAIRED difference to the
+baseline row with a 95% confidence interval over seeds (t distribution):
+  pretrained-attendout   none / standard / attendout / scheduled / layerdrop / attn_layerdrop on SST-2 and
+                         MR, low-resource (a fixed subsample of 1,000 training examples) and full size.
+  pretrained-sparse      dense / sparse / hst / hst+sar / hst+rdrop, dev accuracy on the original topology and
+                         under every shift s = 1 .. b-1 of the block boundaries (mean and worst case over s),
+                         evaluated on each run's final weights (ckpt_last.pt, see eval_shifts).
+
 How to run it:
     python experiments.py listops                      # -> docs/results_listops.md / .json
     python experiments.py attendout --data-root ../shared/data
     python experiments.py attendout --seeds 0 --threads 2   # one seed, quicker
+    python experiments.py pretrained-attendout --init /work/ckpt/minilm.pt --threads 2
+    python experiments.py pretrained-sparse --init /work/ckpt/minilm.pt --threads 2
+    python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
 """
 import argparse
+import hashlib
 import json
+import math
+import random
 import os
 import statistics
 import subprocess
@@ -50,12 +65,15 @@ TEXT_VARIANTS = {   # "scheduled" replays the attendout run of the same dataset 
 }
 
 
-def run_train(args_list, out, threads, log_dir):
-    """One train.py run into `out`, unless its final.json exists. Returns the parsed final.json."""
+def run_train(args_list, out, threads, log_dir, dry_run=False):
+    """One train.py run into `out`, unless its final.json exists. Returns the parsed final.json (None with
+    dry_run: the command is only printed)."""
     final = os.path.join(out, "final.json")
     if not os.path.exists(final):
         cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite"]
         print("$ " + " ".join(cmd), flush=True)
+        if dry_run:
+            return None
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         t = time.time()
         with open(os.path.join(log_dir, os.path.basename(out) + ".log"), "w") as log:
@@ -119,6 +137,261 @@ def attendout(a):
     plot_droprates(a)
 
 
+# -----------------------------------------------------------------------------
+# The papers' regime: fine-tuning a pretrained checkpoint (--init), seeds, paired confidence intervals.
+
+# Sized for 2 CPU cores (README, docs/results_pretrained_*.md): max length 64 covers 99.9% of SST-2 / MR
+# sentences in MiniLM's WordPiece tokens (mean 23 / 26, longest 67 / 77); lr 1e-4 is the usual rate for
+# a 6-layer MiniLM; final weights are scored (no dev-based checkpoint picking: SST-2's dev file is its test).
+PRE_COMMON = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--max-len", "64", "--batch-size", "32",
+              "--lr", "1e-4", "--attn-dropout-p", "0.1",
+              "--eval-every", "1000000", "--save-every", "0"]   # one evaluation and one checkpoint, at the end
+SUBSAMPLE = 1000            # low-resource setting: the first 1,000 lines of the training file after a seeded shuffle
+SUBSAMPLE_SEED = 0          # one fixed subsample for every run (independent of the training seed)
+PRE_SETTINGS = {            # setting -> (training examples or None for all, epochs)
+    "lowres": (SUBSAMPLE, 3),       # 96 steps; pilot (SST-2, standard dropout, seed 0): 73.1 / 83.3 / 84.4% after epoch 1 / 2 / 3
+    "full": (None, 1),
+}
+PRE_ATTENDOUT_VARIANTS = {  # baseline first; "scheduled" replays the attendout run of the same set, setting, seed
+    "standard": ["--attn-dropout", "standard"],
+    "none": ["--attn-dropout", "none"],
+    "attendout": ["--attn-dropout", "attendout"],
+    "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],
+    "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
+    "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
+}
+# ERNIE-Sparse: b = 8 gives 3-4 blocks for a typical sentence (up to 8 at max length 64); window 1 and one
+# global token ([CLS]); no random blocks, so a block outside the window is seen only through the global token.
+PRE_SPARSE_TOPOLOGY = ["--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0"]
+PRE_SPARSE_VARIANTS = {     # baseline first (HST without SAR)
+    "hst": ["--attention", "hst"],
+    "dense": ["--attention", "dense"],
+    "sparse": ["--attention", "sparse"],
+    "hst+sar": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1"],
+    "hst+rdrop": ["--attention", "hst", "--rdrop", "1.0"],
+}
+
+# two-sided 95% quantiles of Student's t, t_{0.975, df}, df = 1 .. 30 (any statistics table)
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df):
+    """t_{0.975, df}: the table for df <= 30, the normal quantile 1.960 beyond (within 2% there)."""
+    if df < 1:
+        raise ValueError(f"a confidence interval needs at least 2 paired seeds (df = {df})")
+    return T975[df - 1] if df <= len(T975) else 1.960
+
+
+def paired_ci(xs, ys):
+    """Paired difference ys - xs over seeds: (mean d, half-width of its 95% CI). d_s = y_s - x_s,
+    mean +- t_{0.975, n-1} * sd(d) / sqrt(n), sd with n - 1 (the seeds are the samples)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"paired_ci: {len(xs)} baseline seeds against {len(ys)}")
+    d = [y - x for x, y in zip(xs, ys)]
+    n = len(d)
+    return statistics.mean(d), t975(n - 1) * statistics.stdev(d) / math.sqrt(n)
+
+
+def fmt_diff(xs, ys, scale=100.0):
+    """'+1.2 [-0.3, +2.7]': the paired difference and its 95% CI, in points; '-' for the baseline itself."""
+    if xs is ys:
+        return "(baseline)"
+    m, h = paired_ci([x * scale for x in xs], [y * scale for y in ys])
+    return f"{m:+.1f} [{m - h:+.1f}, {m + h:+.1f}]"
+
+
+def write_subsample(src, n, seed, path):
+    """The low-resource training file: the first n lines of `src` after random.Random(seed).shuffle. Same input,
+    same file, on any machine (python's Mersenne Twister shuffle is fixed across versions). Returns path."""
+    with open(src) as f:
+        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+    random.Random(seed).shuffle(lines)
+    text = "".join(lines[:n])
+    if not (os.path.exists(path) and open(path).read() == text):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def setting_flags(a, ds, setting):
+    """(--data and --train-file flags, epochs) of one data set in one setting."""
+    data_dir = os.path.join(a.data_root, ds)
+    if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
+        sys.exit(f"error: --data-root {a.data_root}: no {ds}/train.tsv (label<TAB>sentence, with dev.tsv)")
+    n, epochs = PRE_SETTINGS[setting]
+    flags = ["--data", data_dir]
+    if n is not None:       # named by the source file's content too: another --data-root never reuses it
+        with open(os.path.join(data_dir, "train.tsv"), "rb") as f:
+            tag = hashlib.md5(f.read()).hexdigest()[:8]
+        sub = os.path.join("data", "subsample", f"{ds}-train-{n}-seed{SUBSAMPLE_SEED}-{tag}.tsv")
+        flags += ["--train-file", write_subsample(os.path.join(data_dir, "train.tsv"), n, SUBSAMPLE_SEED, sub)]
+    return flags, epochs
+
+
+def eval_shifts(run_dir, shifts, threads):
+    """Dev accuracy of a run's final weights (ckpt_last.pt) under each topology shift (0 = original), cached in
+    shifts.json: {"0": acc, "1": acc, ...}. Uses train.evaluate, the function train.py's --eval-shift calls."""
+    path = os.path.join(run_dir, "shifts.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            done = json.load(f)
+        if all(str(s) in done for s in shifts):
+            return done
+    import argparse as _ap
+    import torch
+    import data
+    import train
+    from model import build_model, read_checkpoint
+    torch.set_num_threads(threads)
+    cfg, state, tok_files, ckpt = read_checkpoint(os.path.join(run_dir, "ckpt_last.pt"))
+    args = _ap.Namespace(**ckpt["args"])
+    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
+    task = data.load_task(args.task, args.data, tok, max_len=args.max_len, text_col=args.text_col,
+                          text_pair_col=args.text_pair_col, label_col=args.label_col, train_file=args.train_file,
+                          dev_file=args.dev_file)
+    model = build_model(cfg, state, run_dir)
+    device = torch.device("cpu")
+    accs = {str(s): train.evaluate(model, task, args, device, tok, shift_by=s)["dev"]["acc"] for s in shifts}
+    with open(path, "w") as f:
+        json.dump(accs, f)
+    return accs
+
+
+def drop_checkpoints(run_dir):
+    """The grids keep final.json, logs and droprates.jsonl; the 270 MB of checkpoints per run go (--keep-ckpt)."""
+    for name in ("ckpt_last.pt", "ckpt_best.pt"):
+        p = os.path.join(run_dir, name)
+        if os.path.exists(p):
+            os.remove(p)
+
+
+def pretrained_runs(a, variants, extra_common):
+    """Run (or only print, --dry-run) the grid; returns {(ds, setting, variant): [final.json, ...]} in seed
+    order, and the run folder of each."""
+    if not os.path.isfile(a.init) and not os.path.isdir(a.init):
+        sys.exit(f"error: --init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+    finals, dirs = {}, {}
+    for setting in a.settings:
+        for ds in a.datasets:
+            flags, epochs = setting_flags(a, ds, setting)
+            for name, extra in variants.items():
+                if a.variants and name not in a.variants:
+                    continue
+                for s in a.seeds:
+                    out = os.path.join(a.out, f"{ds}-{setting}-{name.replace('+', '_')}-s{s}")
+                    ao_out = os.path.join(a.out, f"{ds}-{setting}-attendout-s{s}")
+                    cmd = [*PRE_COMMON, *extra_common, "--init", a.init, *flags, "--epochs", str(epochs),
+                           *[x.format(attendout_out=ao_out) for x in extra], *a.extra, "--seed", str(s)]
+                    f = run_train(cmd, out, a.threads, a.out, a.dry_run)
+                    finals.setdefault((ds, setting, name), []).append(f)
+                    dirs.setdefault((ds, setting, name), []).append(out)
+    return finals, dirs
+
+
+def pretrained_attendout(a):
+    finals, dirs = pretrained_runs(a, PRE_ATTENDOUT_VARIANTS, [])
+    if a.dry_run:
+        return
+    rows, raw = [], {}
+    for (ds, setting, name), fs in finals.items():
+        acc = [f["dev"]["dev"]["acc"] for f in fs]
+        raw.setdefault(f"{ds}-{setting}", {})[name] = acc
+        base = raw[f"{ds}-{setting}"]["standard"]            # the first variant: the baseline row
+        if not a.keep_ckpt:
+            for d in dirs[(ds, setting, name)]:
+                drop_checkpoints(d)
+        rows.append(f"| {ds} | {setting} | {name} | {fmt(acc)} | {fmt_diff(base, acc)} "
+                    f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
+    table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) | time per run (s) |",
+             "|---|---|---|---|---|---|", *rows]
+    write_results(a, "pretrained_attendout", table, pretrained_note(a), raw)
+    plot_pretrained_droprates(a)
+
+
+def pretrained_sparse(a):
+    finals, dirs = pretrained_runs(a, PRE_SPARSE_VARIANTS, PRE_SPARSE_TOPOLOGY)
+    b = int(PRE_SPARSE_TOPOLOGY[PRE_SPARSE_TOPOLOGY.index("--block-size") + 1])
+    shifts = list(range(b))                       # 0 = the original topology, then every shift 1 .. b-1
+    if a.dry_run:
+        print(f"then: dev accuracy of each run's ckpt_last.pt under shifts {shifts} (eval_shifts)")
+        return
+    rows, raw = [], {}
+    for (ds, setting, name), fs in finals.items():
+        per_seed = []
+        for f, d in zip(fs, dirs[(ds, setting, name)]):
+            accs = eval_shifts(d, shifts, a.threads)
+            if abs(accs["0"] - f["dev"]["dev"]["acc"]) > 1e-9:
+                sys.exit(f"error: {d}: shift 0 gives {accs['0']}, final.json {f['dev']['dev']['acc']}")
+            if not a.keep_ckpt:
+                drop_checkpoints(d)
+            per_seed.append([accs[str(s)] for s in shifts])
+        orig = [p[0] for p in per_seed]
+        mean_sh = [statistics.mean(p[1:]) for p in per_seed]
+        worst = [min(p[1:]) for p in per_seed]
+        key = f"{ds}-{setting}"
+        if name == "hst":
+            raw[key] = {}
+        base = raw[key].get("hst")
+        raw[key][name] = {"acc": orig, "acc_shift_mean": mean_sh, "acc_shift_worst": worst, "acc_by_shift": per_seed}
+        diff = (lambda col: "(baseline)" if name == "hst" else fmt_diff(base[col], raw[key][name][col]))
+        rows.append(f"| {ds} | {setting} | {name} | {fmt(orig)} | {fmt(mean_sh)} | {fmt(worst)} | {diff('acc')} "
+                    f"| {diff('acc_shift_worst')} | {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
+    table = ["| data | setting | attention | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
+             "| paired diff to hst (points, 95% CI) | same, worst s | time per run (s) |",
+             "|---|---|---|---|---|---|---|---|---|", *rows]
+    write_results(a, "pretrained_sparse", table, pretrained_note(a, f"Shifts s = 1 .. {b - 1}. Topology: "
+                                                                       + " ".join(PRE_SPARSE_TOPOLOGY) + ". "), raw)
+
+
+def pretrained_note(a, extra=""):
+    settings = "; ".join(f"{s}: {'all' if PRE_SETTINGS[s][0] is None else PRE_SETTINGS[s][0]} training examples, "
+                         f"{PRE_SETTINGS[s][1]} epoch(s)" for s in a.settings)
+    return (f"Command: `python experiments.py {' '.join(sys.argv[1:])}`. Fine-tuned from {a.init}; {settings} (subsample: first {SUBSAMPLE} lines after "
+            f"random.Random({SUBSAMPLE_SEED}).shuffle, experiments.write_subsample). Seeds {a.seeds}; mean +- std "
+            f"over seeds of the final weights' dev accuracy; paired difference to the baseline row with a 95% "
+            f"t-interval over seeds. {extra}Common flags: {' '.join(PRE_COMMON + a.extra)}")
+
+
+def plot_pretrained_droprates(a):
+    """docs/droprates_pretrained.png: the attendout runs' per-layer drop rate over training (mean over seeds),
+    one panel per (data set, setting)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no docs/droprates_pretrained.png")
+        return
+    panels = [(ds, st) for st in a.settings for ds in a.datasets]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    summary = {}
+    for ax, (ds, st) in zip(axes[0], panels):
+        runs = []
+        for s in a.seeds:
+            with open(os.path.join(a.out, f"{ds}-{st}-attendout-s{s}", "droprates.jsonl")) as f:
+                runs.append([json.loads(line) for line in f if line.strip()])
+        n = min(len(r) for r in runs)
+        frac = [runs[0][i]["step_frac"] for i in range(n)]
+        layers = len(runs[0][0]["drop_rate"])
+        for l in range(layers):
+            ax.plot(frac, [statistics.mean(r[i]["drop_rate"][l] for r in runs) for i in range(n)], label=f"layer {l + 1}")
+        ax.plot(frac, [statistics.mean(statistics.mean(r[i]["drop_rate"]) for r in runs) for i in range(n)],
+                "k--", label="mean")
+        summary[f"{ds}-{st}"] = [round(statistics.mean(r[n - 1]["drop_rate"][l] for r in runs), 3) for l in range(layers)]
+        ax.set_title(f"AttendOut drop rate per layer ({ds}, {st})")
+        ax.set_xlabel("fraction of training")
+        ax.set_ylabel("mean drop probability")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join("docs", "droprates_pretrained.png"), dpi=120)
+    print(f"wrote docs/droprates_pretrained.png; final per-layer drop rates: {summary}")
+    with open(os.path.join("docs", "droprates_pretrained_final.json"), "w") as f:
+        json.dump(summary, f)
+
+
 def write_results(a, name, table, note, raw):
     text = "\n".join(table) + "\n\n" + note + "\n"
     print("\n" + text)
@@ -165,15 +438,33 @@ def plot_droprates(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["listops", "attendout"])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("experiment", choices=["listops", "attendout", "pretrained-attendout", "pretrained-sparse"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
-    ap.add_argument("--out", default="out/experiments", help="where the runs go")
-    ap.add_argument("--data-root", default=os.path.join("..", "shared", "data"), help="attendout: folder of sst2/, mr/")
+    ap.add_argument("--out", default=None, help="where the runs go (default out/experiments, out/pretrained-*)")
+    ap.add_argument("--data-root", default=os.path.join("..", "shared", "data"), help="text sets: folder of sst2/, mr/")
     ap.add_argument("--datasets", nargs="+", default=["sst2", "mr"])
+    ap.add_argument("--init", default=None, help="pretrained-*: a converted checkpoint (python model.py convert)")
+    ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),
+                    help="pretrained-*: lowres (1,000 training examples) and / or full")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="pretrained-*: only these rows (default: all; the first row, the baseline, must be among them)")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                    help="pretrained-*: more train.py flags for every run (last on the line, e.g. --extra --gnet-lr 1e-3)")
+    ap.add_argument("--dry-run", action="store_true", help="pretrained-*: print the commands of unfinished runs, run nothing")
+    ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args()
+    pre = a.experiment.startswith("pretrained")
+    if a.seeds is None:
+        a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]
+    if a.out is None:
+        a.out = os.path.join("out", a.experiment) if pre else os.path.join("out", "experiments")
+    if pre and a.init is None:
+        ap.error(f"{a.experiment} needs --init PATH (a converted checkpoint)")
     os.makedirs(a.out, exist_ok=True)
-    listops(a) if a.experiment == "listops" else attendout(a)
+    {"listops": listops, "attendout": attendout, "pretrained-attendout": pretrained_attendout,
+     "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
 if __name__ == "__main__":
