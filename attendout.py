@@ -37,6 +37,8 @@ GNET = "gnet"        # name of the G-Net submodule: export_without_gnet drops ke
 P0_MIN = 1e-4        # attn_dropout_p = 0 would make beta = logit(0) = -inf; start from this rate instead
 U_EPS = 1e-6         # u ~ U(0,1) is clamped to [U_EPS, 1 - U_EPS] so log u and log(1-u) are finite
 KEEP_MIN = 1e-4      # 1 - pi is clamped to >= KEEP_MIN, so 1/(1-pi) <= 1e4 (finite, also in fp16)
+Z_RANGE = 16.0       # the budget's histogram of drop logits Z covers [-Z_RANGE, Z_RANGE] (clamped beyond) ...
+Z_BINS = 256         # ... in this many bins (0.125 wide): enough to predict the mean rate after a shift
 
 
 # -----------------------------------------------------------------------------
@@ -278,6 +280,15 @@ def masked_sum(pi, valid):
     return (s * v).sum(), count
 
 
+def logit_histogram(Z, valid):
+    """How many real pairs have their drop logit Z in each of Z_BINS bins over [-Z_RANGE, Z_RANGE]. -> [Z_BINS]
+    Z [..] float, valid bool broadcastable to Z. Lets hold_budget predict the mean rate after any shift of Z."""
+    width = 2 * Z_RANGE / Z_BINS
+    idx = ((Z.clamp(-Z_RANGE, Z_RANGE - 1e-3) + Z_RANGE) / width).long()               # bin of every pair
+    w = valid.expand_as(Z) if valid is not None else torch.ones_like(Z, dtype=torch.bool)
+    return torch.bincount(idx[w], minlength=Z_BINS).float()                             # [Z_BINS]
+
+
 class AttendOut(AttnDropout):
     """AttendOut for one layer (methods.md §3.1, reconstructed). The layer calls hook(x) in training only."""
 
@@ -302,8 +313,8 @@ class AttendOut(AttnDropout):
     def reset_stats(self):
         """Forget the drop statistics. The model calls this at the start of every training forward, so they
         always describe exactly one forward: all layout pieces, both HST stages, both SAR / R-Drop views."""
-        # over the real (query, key) pairs: the sum of pi, of pi (1 - pi) (= dpi/dbeta), and their count
-        self.pi_sum, self.slope_sum, self.pi_count = None, None, None
+        # over the real (query, key) pairs: the sum of pi, their count, and a histogram of their logits Z
+        self.pi_sum, self.pi_count, self.z_hist = None, None, None
 
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
@@ -316,11 +327,11 @@ class AttendOut(AttnDropout):
             pi = torch.sigmoid(Z)                # drop probability pi
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
-                ds, _ = masked_sum(pi * (1.0 - pi), valid)
+                h = logit_histogram(Z, valid)
                 first = self.pi_sum is None
                 self.pi_sum = s if first else self.pi_sum + s
-                self.slope_sum = ds if first else self.slope_sum + ds
                 self.pi_count = n if first else self.pi_count + n
+                self.z_hist = h if first else self.z_hist + h
             Zr = grad_reverse(Z) if self.reverse else Z  # mask path: G-Net receives -dL_task/dZ
             # A' = A * k / (1 - pi).detach(); invalid pairs have A = 0 and stay exactly 0
             return RelaxedDrop.apply(A, Zr, pi.detach(), self.tau)
@@ -344,39 +355,55 @@ def attendout_modules(modules):
     return [m for m in modules if isinstance(m, AttendOut)]
 
 
+def budget_shift(hists, target):
+    """The shift delta with mean_l E_l[sigmoid(Z + delta)] = target, E_l over layer l's histogram of logits.
+    hists [L, Z_BINS] (pair counts per bin). The mean is increasing in delta, so bisection finds it."""
+    width = 2 * Z_RANGE / Z_BINS
+    centers = -Z_RANGE + width * (torch.arange(Z_BINS, dtype=torch.float64) + 0.5)      # [Z_BINS]
+    p = hists / hists.sum(-1, keepdim=True)                                             # [L, Z_BINS]
+
+    def mean_rate(delta):
+        return (p * torch.sigmoid(centers + delta)).sum(-1).mean().item()
+    lo, hi = -2 * Z_RANGE, 2 * Z_RANGE
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mean_rate(mid) < target else (lo, mid)
+    return 0.5 * (lo + hi), mean_rate(0.0)
+
+
 @torch.no_grad()
 def hold_budget(modules, all_reduce=None):
     """methods.md §3.1 budget (reconstructed): hold the mean drop rate at rho, after every optimizer step.
 
         m      = mean_l m_l,  m_l = mean_{heads, real pairs} pi_l        (the step's training forward)
-        m'     = dm/dbeta = mean_l mean_{heads, real pairs} pi_l (1 - pi_l)   (beta moves every Z of a layer)
-        delta  = (rho - m) / m'                                         (one Newton step)
+        delta  : mean_l E_l[sigmoid(Z + delta)] = rho                   (E_l: layer l's histogram of Z)
         beta_l <- beta_l + delta   for every layer l
 
     A projection onto the budget: the common level of the drop rates is set by the constraint, while what the
     G-Net learns (which layers, heads and pairs drop more, by the reversed task gradient) is left as it is,
-    since every layer moves by the same delta. A penalty lambda (m - rho)^2 could not hold the level against
-    the reversed task gradient, which keeps pushing every rate up. m' is measured, not assumed: once the G-Net
-    has spread its logits, many pi sit near 0 or 1 and respond little to beta, and a step that assumed
-    m_l (1 - m_l) would fall short. delta is capped at +-4 (a safeguard; it is far smaller in practice).
+    since every layer moves by the same delta. (A penalty lambda (m - rho)^2 could not hold the level against
+    the reversed task gradient, which keeps pushing every rate up.) The histogram of the logits, not only their
+    mean rate, is what predicts the effect of a shift: once the G-Net has spread its logits, many pi sit near 0
+    or 1 and respond little to beta. The bins make the prediction slightly off (its error at delta = 0 is
+    subtracted from the target); the next step measures again and corrects the rest.
     Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so every replica shifts
     by the same delta. Returns (m, delta), or None when no AttendOut layer ran."""
     mods = attendout_modules(modules)
     if not mods:
         return None
     dev = mods[0].gnet.beta.device
-    zero = torch.zeros((), device=dev)
-    stats = torch.stack([torch.stack([zero if t is None else t for t in (m.pi_sum, m.slope_sum, m.pi_count)])
-                         for m in mods])                                         # [L, 3]
+    stats = torch.stack([torch.cat([torch.stack([m.pi_sum, m.pi_count]), m.z_hist]) if m.pi_sum is not None
+                         else torch.zeros(2 + Z_BINS, device=dev) for m in mods])       # [L, 2 + Z_BINS]
     if all_reduce is not None:
         all_reduce(stats)
     stats = stats.double().cpu()
-    ran = stats[:, 2] > 0                                                         # layers that ran (LayerDrop)
+    ran = stats[:, 1] > 0                                                             # layers that ran (LayerDrop)
     if not bool(ran.any()):
         return None
-    mean = (stats[ran, 0] / stats[ran, 2]).mean().item()                          # m
-    slope = (stats[ran, 1] / stats[ran, 2]).mean().item()                         # m'
-    delta = max(-4.0, min(4.0, (mods[0].rho - mean) / max(slope, 1e-6)))
+    mean = (stats[ran, 0] / stats[ran, 1]).mean().item()                              # m, exact
+    rho = mods[0].rho
+    delta, binned = budget_shift(stats[ran, 2:], rho)
+    delta, _ = budget_shift(stats[ran, 2:], rho + binned - mean)                      # the bins' error removed
     for m in mods:
         m.gnet.beta.add_(delta)
     return mean, delta

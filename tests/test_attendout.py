@@ -195,7 +195,7 @@ def test_budget_holds_against_the_reversed_task_gradient():
     assert max(rates) - min(rates) > 0.05                   # ... the layers are not
 
 
-def test_budget_step_is_a_newton_step_on_the_measured_rates():
+def test_budget_step_lands_on_rho():
     # one hold_budget on fixed inputs: the next forward's mean must land on rho far more closely than before
     torch.manual_seed(0)
     x, q, k, v, mask = inputs()
@@ -213,13 +213,27 @@ def test_budget_step_is_a_newton_step_on_the_measured_rates():
     got, delta = ao.hold_budget(mods)
     assert got == pytest.approx(before)
     after = mean_rate()
-    assert abs(after - 0.25) < 0.2 * abs(before - 0.25)
-    # the derivative is measured: pi (1 - pi) summed over the real pairs
+    assert abs(before - 0.25) > 0.05 and abs(after - 0.25) < 0.005
+    # the histogram counts the real pairs by their logit
     m = mods[0]
     a, c = m.gnet.features(x)
-    pi = torch.sigmoid(a @ c.transpose(-1, -2))
-    real = mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]
-    assert m.slope_sum.item() == pytest.approx((pi * (1 - pi))[real.expand_as(pi)].sum().item(), rel=1e-5)
+    Z = a @ c.transpose(-1, -2)
+    real = (mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]).expand_as(Z)
+    assert m.z_hist.sum().item() == real.sum().item()
+    width = 2 * ao.Z_RANGE / ao.Z_BINS
+    inside = ((Z >= -1.0) & (Z < -1.0 + width) & real).sum().item()
+    assert m.z_hist[int((-1.0 + ao.Z_RANGE) / width)].item() == inside
+
+
+def test_budget_shift_solves_the_mean_of_a_histogram():
+    hist = torch.zeros(2, ao.Z_BINS, dtype=torch.float64)
+    hist[0, 10], hist[0, 200], hist[1, 128] = 5, 5, 1          # a spread layer and a flat one
+    delta, _ = ao.budget_shift(hist, 0.2)
+    width = 2 * ao.Z_RANGE / ao.Z_BINS
+    c = lambda k: -ao.Z_RANGE + width * (k + 0.5)
+    sig = lambda z: 1 / (1 + math.exp(-z))
+    got = (0.5 * (sig(c(10) + delta) + sig(c(200) + delta)) + sig(c(128) + delta)) / 2
+    assert got == pytest.approx(0.2, abs=1e-9)
 
 
 def test_no_state_outlives_a_forward():
