@@ -432,6 +432,12 @@ def main(argv=None):
 
 
 def run(args):
+    # Reading guide. A run is three calls:
+    #   setup(args)   what to train on and what to train: tokenizer and task data (section 2), the model from a
+    #                 checkpoint or from scratch, the optimizer and the step count (section 3);
+    #   train(r)      the loop: train_step (forward, loss of section 4, backward, clip, AdamW, AttendOut's
+    #                 budget), then logging, evaluation (ckpt_best.pt) and ckpt_last.pt on their schedules;
+    #   report(r)     final.json and the last line: the final and best dev score beside the majority class.
     r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
     train(r)                     # the loop; returns when the last step is done or a stop was asked for
     if r.state["step"] == r.total and is_main():
@@ -449,6 +455,8 @@ class Run:
 
 
 def setup(args):
+    """Everything the loop needs, in the order it is decided. Each step is a function of sections 2 and 3, or
+    of infra.py for the plumbing."""
     r = Run()
     r.args = args
     r.rank, r.world, r.device = setup_distributed(args)
@@ -558,7 +566,10 @@ def epoch_batches(r, epoch):
 def train(r):
     """Optimizer steps until r.total (or Ctrl-C / SIGTERM). After each step: log it, evaluate on schedule
     (which may write ckpt_best.pt), then write ckpt_last.pt on schedule; everything logged up to a step is
-    in that step's ckpt_last.pt."""
+    in that step's ckpt_last.pt.
+
+    The batches of an epoch are fixed by (seed, epoch) (epoch_batches); state["micro"] says how many of them
+    are used, so the loop can stop anywhere and a resumed run continues with the very next batch."""
     args, state = r.args, r.state
     use_bar = is_main() and sys.stderr.isatty()        # a log file gets plain lines instead of a progress bar
     bar = tqdm(total=r.total, initial=state["step"], disable=not use_bar, dynamic_ncols=True, desc=args.task)
@@ -601,8 +612,12 @@ def train_step(r, batches, step, meter, bar):
     """One optimizer step: forward and backward over --grad-accum micro-batches, clip, AdamW, and AttendOut's
     budget. Returns (the step's numbers, or None if the batch was skipped as non-finite; epoch_done)."""
     args, state = r.args, r.state
+    # the step's learning rates and training progress: both are pure functions of the step, so a resumed run
+    # (which restores the step) gets the same ones
     lr_now = set_lr(r.optimizer, lr_factor(step - 1, r.total, r.warmup))   # warmup, then linear decay
     r.raw.set_progress((step - 1) / r.total)    # scheduled dropout follows training progress
+    # forward and backward, one micro-batch at a time (gradients add up); under torchrun each process takes
+    # every world-th example of the batch, and DDP averages the gradients at the last micro-batch
     loss_sum, parts, finite = 0.0, {}, True
     for i in range(args.grad_accum):
         # padded to the longest example; the model pads to its block size (and SAR shifts) itself
@@ -639,6 +654,7 @@ def train_step(r, batches, step, meter, bar):
             stop_nonfinite(r, f"non-finite loss on every batch for a whole epoch (step {step})")
         return None, epoch_done
     meter["bad_in_row"] = 0
+    # the update: AdamW on the backbone and heads (and the G-Nets, at their own rate, with reversed gradients)
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
     numbers = {"loss": loss_sum, "lr": lr_now, "grad_norm": float(gnorm), **parts}
