@@ -63,7 +63,7 @@ class Config:
     gnet_dim: int = 16                # d_g, G-Net projection size per head
     gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
     gnet_budget: float | None = None  # rho, the mean drop rate the G-Nets are held at; None: attn_dropout_p
-    gnet_lr: float = 1e-2             # the G-Nets' own peak learning rate (AdamW, no decay, same schedule)
+    gnet_lr: float = 3e-3             # the G-Nets' own peak learning rate (AdamW, no decay, same schedule)
     schedule: str = ""                # scheduled dropout: a droprates.jsonl FILE or "linear:P_LOW:P_HIGH"
     layerdrop: float = 0.0            # LayerDrop: skip a whole layer with this probability (training)
     attn_layerdrop: float = 0.0       # Attn.LayerDrop: skip only the attention sub-layer (training)

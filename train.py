@@ -119,7 +119,7 @@ def make_parser():
     g.add_argument("--hidden-dropout-p", type=float, default=None, help="dropout on embeddings and residual branches")
     g.add_argument("--gnet-budget", type=float, default=None,
                    help="rho: the G-Nets' mean drop rate is held here after every step (default p0)")
-    g.add_argument("--gnet-lr", type=float, default=None, help="the G-Nets' own peak learning rate (default 1e-2)")
+    g.add_argument("--gnet-lr", type=float, default=None, help="the G-Nets' own peak learning rate (default 3e-3)")
     g.add_argument("--gnet-tau", type=float, default=None, help="relaxed-Bernoulli temperature")
     g.add_argument("--gnet-dim", type=int, default=None, help="d_g, G-Net projection size per head")
     g.add_argument("--schedule", default=None, help="scheduled dropout: a droprates.jsonl or linear:P_LOW:P_HIGH")
