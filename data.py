@@ -1,11 +1,11 @@
-"""data.py: datasets, batching and metrics for attnreg (SPEC 4).
+"""data.py: datasets, batching and metrics for attnreg (methods.md §4).
 
 Everything that turns files into batches of tensors, in reading order:
   1. datasets: what an example is (Example, TaskData), the readers for the nine GLUE tasks, any labelled
      TSV/CSV/JSONL, LRA ListOps and plain text for masked LM (the other LRA tasks: lra.py; extractive QA: qa.py);
   2. batching: deterministic length-bucketed batches, dynamic padding (collate), BERT-style MLM masking;
   3. metrics: accuracy, F1, Matthews correlation, Pearson, Spearman (numpy, by hand);
-  4. the LRA ListOps generator (the Long Range Arena recipe, SPEC 4);
+  4. the LRA ListOps generator (the Long Range Arena recipe, methods.md §4);
   5. the CLI.
 The tokenizers (text -> ids) are plumbing a student can skip: they live in vocab.py and are re-exported here
 (data.load_tokenizer, data.ListOpsTokenizer, data.DataError, ... work as before).
@@ -77,7 +77,7 @@ class TaskData:
     head: str = "cls"     # the model head it needs (model.Config.head): "cls", "pair" (lra-retrieval), "span" (squad)
 
 
-# The nine GLUE tasks, in the official GLUE folder layout (SPEC 4). Columns are header names, or 0-based
+# The nine GLUE tasks, in the official GLUE folder layout (methods.md §4). Columns are header names, or 0-based
 # indices for CoLA (no header). labels: the label strings in class-index order (None: regression).
 TASKS = {
     "cola": dict(train="train.tsv", dev={"dev": "dev.tsv"}, header=False, ncols=4,
@@ -396,7 +396,7 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
 
 def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_col=None, label_col=None,
               train_file=None, dev_file=None, header="auto"):
-    """TaskData for a GLUE task, "tsv" (any labelled file), "listops", "mlm" (SPEC 4), an LRA task (lra.py) or
+    """TaskData for a GLUE task, "tsv" (any labelled file), "listops", "mlm" (methods.md §4), an LRA task (lra.py) or
     "squad" (extractive QA, qa.py)."""
     if task in LRA_TASKS:
         import lra                                  # imported here: lra.py builds on this module
@@ -536,7 +536,7 @@ def mask_tokens(input_ids, attention_mask, *, mask_id, vocab_size, special_ids, 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 3. Metrics (numpy, by hand; SPEC 4: the official GLUE metrics)
+# 3. Metrics (numpy, by hand; methods.md §4: the official GLUE metrics)
 # ----------------------------------------------------------------------------------------------------------
 
 def accuracy(preds, labels):
@@ -585,7 +585,7 @@ def spearman(x, y):
 
 
 def compute_metrics(task_name, preds, labels):
-    """The task's official metrics (SPEC 4). preds: class ids or logits [N, K] (argmax taken); regression:
+    """The task's official metrics (methods.md §4). preds: class ids or logits [N, K] (argmax taken); regression:
     scores [N] or [N, 1]. MNLI: call once per dev split."""
     name = task_name.lower().replace("-", "")
     preds, labels = np.asarray(preds), np.asarray(labels)
@@ -605,7 +605,7 @@ def compute_metrics(task_name, preds, labels):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. LRA ListOps generator (SPEC 4; the Long Range Arena recipe, lra_benchmarks/data/listops.py)
+# 4. LRA ListOps generator (methods.md §4; the Long Range Arena recipe, lra_benchmarks/data/listops.py)
 # ----------------------------------------------------------------------------------------------------------
 
 LISTOPS_OPS = ("[MIN", "[MAX", "[MED", "[SM")

@@ -55,7 +55,7 @@ LISTOPS_VARIANTS = {
 TEXT_COMMON = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--init", "scratch", "--layers", "4",
                "--hidden", "128", "--heads", "4", "--ffn", "256", "--max-len", "64", "--vocab-size", "8000",
                "--epochs", "2", "--batch-size", "32", "--lr", "5e-4", "--attn-dropout-p", "0.1"]
-TEXT_VARIANTS = {   # "scheduled" replays the attendout run of the same dataset and seed (SPEC 3.2)
+TEXT_VARIANTS = {   # "scheduled" replays the attendout run of the same dataset and seed (methods.md §3.2)
     "standard": ["--attn-dropout", "standard"],
     "attendout": ["--attn-dropout", "attendout"],
     "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],

@@ -238,7 +238,7 @@ class SentencePieceTokenizer:
 
 
 def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
-    """Train (or reuse) a from-scratch SentencePiece model on the training texts (SPEC 4, from scratch).
+    """Train (or reuse) a from-scratch SentencePiece model on the training texts (methods.md §4, from scratch).
 
     Writes MODEL_PREFIX_PATH-<key>.model beside the data, where <key> is a hash of the vocab size, the model
     type and every training text: the same data reuses the model, changed data trains a new one.
@@ -273,11 +273,11 @@ def _scratch_spm(model_bytes):
 
 
 class ListOpsTokenizer:
-    """Fixed ListOps vocabulary (SPEC 4): specials, the 10 digits, the 4 operators and ']'.
+    """Fixed ListOps vocabulary (methods.md §4): specials, the 10 digits, the 4 operators and ']'.
 
     Input = whitespace tokens of LRA's Source string with "(" and ")" dropped, [cls] prepended (the first
     token is the global / classifier token). No [sep] is appended. (LRA's own pipeline also drops ']' and '[';
-    we keep them, as SPEC 4 says only the parentheses go.)
+    we keep them, as methods.md §4 says only the parentheses go.)
     """
 
     SYMBOLS = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"] + [str(d) for d in range(10)] + \
