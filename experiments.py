@@ -4,14 +4,12 @@ What it is: a thin driver. Every cell of a table is an ordinary `python train.py
 printed and stored in the run's final.json); this file only loops over variants and seeds, skips runs that
 already finished (so an interrupted grid continues), and summarises the final.json files as a Markdown table.
 
-The two experiments:
-  listops    ERNIE-Sparse on generated ListOps: dense vs sparse vs HST vs HST+SAR vs HST+R-Drop, dev accuracy
-             on the original topology and with the topology shifted by one token at evaluation (--eval-shift).
-  attendout  AttendOut on real sentence classification (SST-2, MR: label<TAB>sentence files), small encoders
-             from scratch: standard vs attendout vs scheduled (replaying AttendOut's own drop-rate log) vs
-             LayerDrop vs Attn.LayerDrop vs none; and the learned per-layer drop rate over training.
+The experiments:
+  listops    a long-sequence sanity check from scratch: ERNIE-Sparse on generated ListOps, dense vs sparse vs
+             HST vs HST+SAR vs HST+R-Drop, dev accuracy on the original topology and with the topology shifted
+             by one token at evaluation (--eval-shift).
 
-And the same two comparisons in the papers' regime, fine-tuning a pretrained checkpoint (`--init PATH`, e.g.
+And the two papers' comparisons in their regime, fine-tuning a pretrained checkpoint (`--init PATH`, e.g.
 MiniLM-L6 converted with `python model.py convert`), 5 / 3 seeds, each method's PAIRED difference to the
 baseline row with a 95% confidence interval over seeds (t distribution):
   pretrained-attendout   none / standard / attendout / scheduled / layerdrop / attn_layerdrop on SST-2 and
@@ -22,10 +20,8 @@ baseline row with a 95% confidence interval over seeds (t distribution):
 
 How to run it:
     python experiments.py listops                      # -> docs/results_listops.md / .json
-    python experiments.py attendout --data-root ../shared/data
-    python experiments.py attendout --seeds 0 --threads 2   # one seed, quicker
-    python experiments.py pretrained-attendout --init /work/ckpt/minilm.pt --threads 2
-    python experiments.py pretrained-sparse --init /work/ckpt/minilm.pt --threads 2
+    python experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --threads 2
+    python experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA --threads 2
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
 """
 import argparse
@@ -51,19 +47,6 @@ LISTOPS_VARIANTS = {
     "hst+sar": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1"],
     "hst+rdrop": ["--attention", "hst", "--rdrop", "1.0"],
 }
-
-TEXT_COMMON = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--init", "scratch", "--layers", "4",
-               "--hidden", "128", "--heads", "4", "--ffn", "256", "--max-len", "64", "--vocab-size", "8000",
-               "--epochs", "2", "--batch-size", "32", "--lr", "5e-4", "--attn-dropout-p", "0.1"]
-TEXT_VARIANTS = {   # "scheduled" replays the attendout run of the same dataset and seed (methods.md §3.2)
-    "standard": ["--attn-dropout", "standard"],
-    "attendout": ["--attn-dropout", "attendout"],
-    "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],
-    "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
-    "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
-    "none": ["--attn-dropout", "none"],
-}
-
 
 def run_train(args_list, out, threads, log_dir, dry_run=False):
     """One train.py run into `out`, unless its final.json exists. Returns the parsed final.json (None with
@@ -113,28 +96,6 @@ def listops(a):
     note = (f"Generated ListOps ({' '.join(LISTOPS_DATA)}); majority-class baseline {100 * base:.1f}%. "
             f"Seeds {a.seeds}; mean +- std. Common flags: {' '.join(LISTOPS_COMMON)}")
     write_results(a, "listops", table, note, raw)
-
-
-def attendout(a):
-    rows, raw = [], {}
-    for ds in a.datasets:
-        data_dir = os.path.join(a.data_root, ds)
-        if not os.path.isdir(data_dir):
-            sys.exit(f"error: --data-root {a.data_root}: no {ds}/ folder (train.tsv, dev.tsv as label<TAB>sentence)")
-        for name, extra in TEXT_VARIANTS.items():
-            finals = []
-            for s in a.seeds:
-                ao_out = os.path.join(a.out, f"{ds}-attendout-s{s}")
-                flags = [x.format(attendout_out=ao_out) for x in extra]
-                finals.append(run_train([*TEXT_COMMON, *flags, "--data", data_dir, "--seed", str(s)],
-                                        os.path.join(a.out, f"{ds}-{name}-s{s}"), a.threads, a.out))
-            acc = [f["dev"]["dev"]["acc"] for f in finals]
-            raw.setdefault(ds, {})[name] = acc
-            rows.append(f"| {ds} | {name} | {fmt(acc)} | {statistics.mean(f['wall_time_s'] for f in finals):.0f} |")
-    table = ["| data | attention dropout | dev acc (%) | time per run (s) |", "|---|---|---|---|", *rows]
-    note = f"Seeds {a.seeds}; mean +- std. Common flags: {' '.join(TEXT_COMMON)}"
-    write_results(a, "attendout", table, note, raw)
-    plot_droprates(a)
 
 
 # -----------------------------------------------------------------------------
@@ -402,43 +363,9 @@ def write_results(a, name, table, note, raw):
         json.dump(raw, f, indent=1)
 
 
-def plot_droprates(a):
-    """docs/droprates.png: AttendOut's learned mean drop rate of each layer over training (mean over seeds)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no docs/droprates.png")
-        return
-    fig, axes = plt.subplots(1, len(a.datasets), figsize=(5 * len(a.datasets), 3.6), squeeze=False)
-    summary = {}
-    for ax, ds in zip(axes[0], a.datasets):
-        runs = []
-        for s in a.seeds:
-            with open(os.path.join(a.out, f"{ds}-attendout-s{s}", "droprates.jsonl")) as f:
-                runs.append([json.loads(line) for line in f if line.strip()])
-        n = min(len(r) for r in runs)
-        frac = [runs[0][i]["step_frac"] for i in range(n)]
-        layers = len(runs[0][0]["drop_rate"])
-        for l in range(layers):
-            ys = [statistics.mean(r[i]["drop_rate"][l] for r in runs) for i in range(n)]
-            ax.plot(frac, ys, label=f"layer {l + 1}")
-        summary[ds] = [round(statistics.mean(r[n - 1]["drop_rate"][l] for r in runs), 3) for l in range(layers)]
-        ax.set_title(f"AttendOut drop rate per layer ({ds})")
-        ax.set_xlabel("fraction of training")
-        ax.set_ylabel("mean drop probability")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join("docs", "droprates.png"), dpi=120)
-    print(f"wrote docs/droprates.png; final per-layer drop rates: {summary}")
-    with open(os.path.join("docs", "droprates_final.json"), "w") as f:
-        json.dump(summary, f)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["listops", "attendout", "pretrained-attendout", "pretrained-sparse"])
+    ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
@@ -463,7 +390,7 @@ def main():
     if pre and a.init is None:
         ap.error(f"{a.experiment} needs --init PATH (a converted checkpoint)")
     os.makedirs(a.out, exist_ok=True)
-    {"listops": listops, "attendout": attendout, "pretrained-attendout": pretrained_attendout,
+    {"listops": listops, "pretrained-attendout": pretrained_attendout,
      "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
