@@ -37,8 +37,9 @@ GNET = "gnet"        # name of the G-Net submodule: export_without_gnet drops ke
 P0_MIN = 1e-4        # attn_dropout_p = 0 would make beta = logit(0) = -inf; start from this rate instead
 U_EPS = 1e-6         # u ~ U(0,1) is clamped to [U_EPS, 1 - U_EPS] so log u and log(1-u) are finite
 KEEP_MIN = 1e-4      # 1 - pi is clamped to >= KEEP_MIN, so 1/(1-pi) <= 1e4 (finite, also in fp16)
-Z_RANGE = 16.0       # the budget's histogram of drop logits Z covers [-Z_RANGE, Z_RANGE] (clamped beyond) ...
-Z_BINS = 256         # ... in this many bins (0.125 wide): enough to predict the mean rate after a shift
+Z_RANGE = 32.0       # the budget's histogram of drop logits Z covers [-Z_RANGE, Z_RANGE] (clamped beyond) ...
+Z_BINS = 512         # ... in this many bins (0.125 wide): enough to predict the mean rate after a shift
+SHIFT_MAX = 16.0     # the budget's shifts stay within +-SHIFT_MAX, so clamped logits stay saturated after them
 
 
 # -----------------------------------------------------------------------------
@@ -199,6 +200,9 @@ class GNet(nn.Module):
         self.weight = nn.Parameter(torch.empty(2 * num_heads * gnet_dim, hidden_size))  # [W_q | W_k]
         self.bias = nn.Parameter(torch.empty(2 * num_heads * gnet_dim))
         self.beta = nn.Parameter(torch.zeros(()))
+        # this layer's drop rate in the next training forward, set by hold_budget (NaN: none yet); a buffer, so
+        # checkpoints keep it and `export_without_gnet` drops it with the rest of the G-Net
+        self.register_buffer("target", torch.tensor(float("nan")))
         self.p0 = max(float(p0), P0_MIN)
         self.reset_parameters()
 
@@ -280,6 +284,25 @@ def masked_sum(pi, valid):
     return (s * v).sum(), count
 
 
+def bin_centers(device):
+    width = 2 * Z_RANGE / Z_BINS
+    return -Z_RANGE + width * (torch.arange(Z_BINS, device=device, dtype=torch.float64) + 0.5)   # [Z_BINS]
+
+
+def shift_for_rate(hist, target):
+    """The logit shift eps with mean sigmoid(Z + eps) = target over the pairs counted in hist [Z_BINS]
+    (bisection on the histogram: the mean is increasing in eps). Stays on hist's device (no sync)."""
+    p = (hist / hist.sum().clamp_min(1.0)).double()
+    centers = bin_centers(hist.device)
+    lo = torch.full((), -SHIFT_MAX, dtype=torch.float64, device=hist.device)
+    hi = torch.full((), SHIFT_MAX, dtype=torch.float64, device=hist.device)
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        below = (p * torch.sigmoid(centers + mid)).sum() < target
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return (0.5 * (lo + hi)).float()
+
+
 def logit_histogram(Z, valid):
     """How many real pairs have their drop logit Z in each of Z_BINS bins over [-Z_RANGE, Z_RANGE]. -> [Z_BINS]
     Z [..] float, valid bool broadcastable to Z. Lets hold_budget predict the mean rate after any shift of Z."""
@@ -319,15 +342,21 @@ class AttendOut(AttnDropout):
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
         a, c = self.gnet.features(x)  # [B, H, L, d_g + 1] each, computed once per forward
+        shift = []                    # eps of this call, found on the first layout piece, used for all of them
 
         def drop_fn(A, valid, pair_scores):
             # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid: bool, broadcastable to A, True for
             # the real (query, key) pairs the pattern allows (padding rows and columns are False)
             Z = pair_scores(a, c).float()        # methods.md §3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
+            with torch.no_grad():
+                h = logit_histogram(Z, valid)    # the G-Net's own logits, before the budget's shift
+                if not shift:                    # the budget (methods.md §3.1): shift this layer's logits so that
+                    target = self.gnet.target    # its mean rate is the target that hold_budget set
+                    shift.append(shift_for_rate(h, target) if not torch.isnan(target) else Z.new_zeros(()))
+            Z = Z + shift[0]                     # a constant: the G-Net's gradient is that of its own logits
             pi = torch.sigmoid(Z)                # drop probability pi
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
-                h = logit_histogram(Z, valid)
                 first = self.pi_sum is None
                 self.pi_sum = s if first else self.pi_sum + s
                 self.pi_count = n if first else self.pi_count + n
@@ -355,39 +384,41 @@ def attendout_modules(modules):
     return [m for m in modules if isinstance(m, AttendOut)]
 
 
-def budget_shift(hists, target):
-    """The shift delta with mean_l E_l[sigmoid(Z + delta)] = target, E_l over layer l's histogram of logits.
-    hists [L, Z_BINS] (pair counts per bin). The mean is increasing in delta, so bisection finds it."""
-    width = 2 * Z_RANGE / Z_BINS
-    centers = -Z_RANGE + width * (torch.arange(Z_BINS, dtype=torch.float64) + 0.5)      # [Z_BINS]
-    p = hists / hists.sum(-1, keepdim=True)                                             # [L, Z_BINS]
+def budget_shift(hists, rho):
+    """The common shift delta with mean_l E_l[sigmoid(Z + delta)] = rho, E_l over layer l's histogram of logits
+    hists [L, Z_BINS] (pair counts per bin); bisection, the mean being increasing in delta.
+    Returns (delta, the layers' rates at delta [L])."""
+    p = hists.double() / hists.double().sum(-1, keepdim=True)                           # [L, Z_BINS]
+    centers = bin_centers(hists.device)
 
-    def mean_rate(delta):
-        return (p * torch.sigmoid(centers + delta)).sum(-1).mean().item()
-    lo, hi = -2 * Z_RANGE, 2 * Z_RANGE
+    def rates(delta):
+        return (p * torch.sigmoid(centers + delta)).sum(-1)                             # [L]
+    lo, hi = -SHIFT_MAX, SHIFT_MAX
     for _ in range(50):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if mean_rate(mid) < target else (lo, mid)
-    return 0.5 * (lo + hi), mean_rate(0.0)
+        lo, hi = (mid, hi) if rates(mid).mean().item() < rho else (lo, mid)
+    delta = 0.5 * (lo + hi)
+    return delta, rates(delta)
 
 
 @torch.no_grad()
 def hold_budget(modules, all_reduce=None):
-    """methods.md §3.1 budget (reconstructed): hold the mean drop rate at rho, after every optimizer step.
+    """methods.md §3.1 budget (reconstructed): the mean drop rate over layers is rho in every training forward.
 
-        m      = mean_l m_l,  m_l = mean_{heads, real pairs} pi_l        (the step's training forward)
-        delta  : mean_l E_l[sigmoid(Z + delta)] = rho                   (E_l: layer l's histogram of Z)
-        beta_l <- beta_l + delta   for every layer l
+    After every optimizer step, from the histograms of each layer's own logits Z in the step's forward:
+        delta : mean_l E_l[sigmoid(Z + delta)] = rho        one common shift for all layers
+        t_l   = E_l[sigmoid(Z + delta)]                      layer l's target rate; mean_l t_l = rho
+        beta_l <- beta_l + delta                             the G-Nets' own level follows
+    In the next training forward, layer l shifts its logits by the eps_l that makes its mean rate over the real
+    pairs exactly t_l (AttendOut.hook, shift_for_rate), so the mean over layers is rho by construction, not
+    one step late: the G-Net's projections can move its logits a lot in one step.
 
-    A projection onto the budget: the common level of the drop rates is set by the constraint, while what the
-    G-Net learns (which layers, heads and pairs drop more, by the reversed task gradient) is left as it is,
-    since every layer moves by the same delta. (A penalty lambda (m - rho)^2 could not hold the level against
-    the reversed task gradient, which keeps pushing every rate up.) The histogram of the logits, not only their
-    mean rate, is what predicts the effect of a shift: once the G-Net has spread its logits, many pi sit near 0
-    or 1 and respond little to beta. The bins make the prediction slightly off (its error at delta = 0 is
-    subtracted from the target); the next step measures again and corrects the rest.
-    Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so every replica shifts
-    by the same delta. Returns (m, delta), or None when no AttendOut layer ran."""
+    What the G-Net learns (which layers, heads and pairs drop more, by the reversed task gradient) is kept:
+    every layer moves by the same delta, so the targets keep the layers' order and spread. (A penalty
+    lambda (m - rho)^2 could not hold the level against the reversed task gradient, which keeps pushing every
+    rate up.) Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so every replica
+    sets the same targets. Returns (m, delta): the mean rate of the step's forward and the shift; or None when
+    no AttendOut layer ran."""
     mods = attendout_modules(modules)
     if not mods:
         return None
@@ -400,10 +431,10 @@ def hold_budget(modules, all_reduce=None):
     ran = stats[:, 1] > 0                                                             # layers that ran (LayerDrop)
     if not bool(ran.any()):
         return None
-    mean = (stats[ran, 0] / stats[ran, 1]).mean().item()                              # m, exact
-    rho = mods[0].rho
-    delta, binned = budget_shift(stats[ran, 2:], rho)
-    delta, _ = budget_shift(stats[ran, 2:], rho + binned - mean)                      # the bins' error removed
+    mean = (stats[ran, 0] / stats[ran, 1]).mean().item()                              # m, as applied
+    delta, targets = budget_shift(stats[ran, 2:], mods[0].rho)
+    for m, t in zip([m for m, r in zip(mods, ran.tolist()) if r], targets.tolist()):
+        m.gnet.target.fill_(t)
     for m in mods:
         m.gnet.beta.add_(delta)
     return mean, delta
