@@ -342,7 +342,6 @@ class AttendOut(AttnDropout):
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
         a, c = self.gnet.features(x)  # [B, H, L, d_g + 1] each, computed once per forward
-        shift = []                    # eps of this call, found on the first layout piece, used for all of them
 
         def drop_fn(A, valid, pair_scores):
             # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid: bool, broadcastable to A, True for
@@ -350,10 +349,9 @@ class AttendOut(AttnDropout):
             Z = pair_scores(a, c).float()        # methods.md §3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
             with torch.no_grad():
                 h = logit_histogram(Z, valid)    # the G-Net's own logits, before the budget's shift
-                if not shift:                    # the budget (methods.md §3.1): shift this layer's logits so that
-                    target = self.gnet.target    # its mean rate is the target that hold_budget set
-                    shift.append(shift_for_rate(h, target) if not torch.isnan(target) else Z.new_zeros(()))
-            Z = Z + shift[0]                     # a constant: the G-Net's gradient is that of its own logits
+                target = self.gnet.target        # the budget (methods.md §3.1): shift the logits so that their
+                eps = shift_for_rate(h, target) if not torch.isnan(target) else Z.new_zeros(())  # mean rate = target
+            Z = Z + eps                          # a constant: the G-Net's gradient is that of its own logits
             pi = torch.sigmoid(Z)                # drop probability pi
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
