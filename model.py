@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import data
 from attendout import make_attn_dropout
-from sparse import block_sparse_attention, hst_attention
+from sparse import block_sparse_attention, hst_attention, pattern_of
 
 
 # -----------------------------------------------------------------------------
@@ -188,9 +188,8 @@ class Attention(nn.Module):
         else:
             sparse_kernel = block_sparse_attention if kernel == "sparse" else hst_attention
             c = self.cfg
-            y = sparse_kernel(q, k, v, key_mask, block_size=c.block_size, window=c.window,
-                              num_global=c.num_global, num_random=c.num_random,
-                              generator=self.eval_generator(x.device), dropout_p=p, drop_fn=drop_fn)
+            y = sparse_kernel(q, k, v, key_mask, generator=self.eval_generator(x.device), dropout_p=p,
+                              drop_fn=drop_fn, **pattern_of(c))       # block_size, window, num_global, ...
         y = y.transpose(1, 2).reshape(B, L, d)                                 # [B, L, d]
         return self.out(y)
 
