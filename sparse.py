@@ -17,8 +17,9 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
   Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
-  of query blocks at a time, and so do the global rows. The chunks' key gradients add up in one buffer
-  (GatherChunks), so the backward is linear in n too. No n x n tensor is ever built.
+  of query blocks at a time, and so do the global rows; the gathered keys are not kept for the backward
+  (FusedBlockAttention gathers them again), and the chunks' key gradients add up in one buffer, so time
+  and memory are linear in n. No n x n tensor is ever built.
   drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
   global rows [B, H, g, L]. Padding masks keys only (as dense).
 
@@ -207,59 +208,113 @@ def _attend_fused(q, k, v, valid):
 CHUNK_ELEMENTS = 2 ** 21   # a gathered k or v chunk holds at most this many numbers (8 MB in fp32)
 
 
-class GatherChunks(torch.autograd.Function):
-    """src [B, N, e] -> one gathered tensor [B, len(idx), e] per index tensor (rows of src, index_select).
+def _gather_rows(c, idx):
+    """c [B, H, L, d] -> [B, len(idx), d]: rows idx of the heads-and-positions table [B, H L, d] (a flat index
+    h L + l), read in place (c is a strided view of the QKV projection: no [B, H L, d] copy is made)."""
+    L = c.shape[2]
+    return c[:, idx // L, idx % L]
 
-    Why not plain index_select per chunk: its backward fills a zero gradient the size of src for EVERY
-    chunk and autograd then adds them up, so c chunks cost c full-size fills and adds, O(n^2) in all.
-    Here the backward receives every chunk's gradient at once and index_add_s them into ONE buffer."""
+
+def _attend_chunk(qc, kc, vc, ok):
+    """One chunk of query blocks by _attend_fused. qc [B, H, mc, bq, d]; kc, vc [B, K H mc, d] (key-major
+    gathers); ok [B, H, mc, bq or 1, K]. Returns [B, H, mc, bq, d]."""
+    B, H, mc, bq, d = qc.shape
+    K = ok.shape[-1]
+
+    def heads_first(c):      # [B, H mc, K, d]; key-major: SDPA's key gradients come back in the gather's layout
+        return c.view(B, K, H * mc, d).transpose(1, 2)
+    out = _attend_fused(qc.reshape(B, H * mc, bq, d), heads_first(kc), heads_first(vc), ok.flatten(1, 2))
+    return out.view(B, H, mc, bq, d)
+
+
+class FusedSparseAttention(torch.autograd.Function):
+    """Stage 1 without dropout, all of it: the block layout a chunk of `step` query blocks at a time (gather
+    the chunk's keys and values, _attend_fused), then the g global rows densely (_attend_fused over all keys).
+    q, k, v [B, H, L, d]; idxs: one long [K H mc] per chunk (flat rows h L + l, key-major); oks: one bool
+    [B, H, mc, bq or 1, K] per chunk; real [B, L]. Returns [B, H, L, d].
+
+    Memory: the gathered keys and values are K = (2w + 1 + r) b + g (+ 1) rows per query block, K / b times
+    the size of k and v, so nothing gathered is kept for the backward: it saves q, k, v (the layer keeps them
+    anyway), the indices and the masks. The backward gathers each chunk again, recomputes its attention (as
+    a fused kernel's backward recomputes its scores tile by tile) and adds every chunk's gradients into ONE
+    buffer per q, k, v (autograd's own index_select backward would zero-fill a full-size gradient per chunk,
+    O(n^2) in all). So memory is O(n d), like dense fused attention's, and time is linear in n."""
 
     @staticmethod
-    def forward(ctx, src, *idxs):
-        B, N, e = src.shape
-        offset = torch.arange(B, device=src.device)[:, None] * N                  # batch b -> rows b N ..
-        rows = [(offset + i).reshape(-1) for i in idxs]                            # rows of src [B N, e]
-        ctx.save_for_backward(*rows)
-        ctx.src_shape = src.shape
-        flat = src.reshape(B * N, e)
-        return tuple(flat.index_select(0, r).view(B, -1, e) for r in rows)
+    def forward(ctx, q, k, v, n, b, g, step, real, idxs, oks):
+        ctx.save_for_backward(q, k, v, real, *idxs, *oks)
+        ctx.sizes = (n, b, g, step, len(idxs))
+        B, H, L, d = q.shape     # out [B, H, L, d] laid out as [B, L, H, d]: the layer's merge of heads is a view
+        out = torch.empty(B, L, H, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        for i, (idx, ok) in enumerate(zip(idxs, oks)):
+            a = i * step
+            oc = _attend_chunk(_chunk_rows(q, n, b, a, ok.shape[2]), _gather_rows(k, idx), _gather_rows(v, idx), ok)
+            _put_chunk_rows(out, oc, n, b, a)
+        if g > 0:                            # SPEC 2.1: global rows attend to every key; replace their block rows
+            out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
+        return out
 
     @staticmethod
-    def backward(ctx, *grads):
-        B, N, e = ctx.src_shape
-        some = next(gr for gr in grads if gr is not None)                           # for dtype and device
-        grad = some.new_zeros(B * N, e)                                              # the one buffer
-        for r, gr in zip(ctx.saved_tensors, grads):
-            if gr is not None:
-                grad.index_add_(0, r, gr.reshape(-1, e))
-        return (grad.view(B, N, e),) + (None,) * len(grads)
+    def backward(ctx, grad_out):
+        q, k, v, real, *rest = ctx.saved_tensors
+        n, b, g, step, chunks = ctx.sizes
+        idxs, oks = rest[:chunks], rest[chunks:]
+        B, H, L, d = k.shape
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)                  # one buffer each
+        dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)              # [B, H L, d]
+        dv = torch.zeros(B, H * L, d, dtype=v.dtype, device=v.device)
+        for i, (idx, ok) in enumerate(zip(idxs, oks)):
+            a, mc = i * step, ok.shape[2]
+            qc = _chunk_rows(q, n, b, a, mc).detach().requires_grad_()
+            kc = _gather_rows(k, idx).requires_grad_()                               # [B, K H mc, d] again
+            vc = _gather_rows(v, idx).requires_grad_()
+            gc = _chunk_rows(grad_out, n, b, a, mc)
+            if a * b < g:                    # the global rows' block results were replaced: no gradient
+                gc = gc.clone()
+                gc[:, :, :, :b].reshape(B, H, mc * b, d)[:, :, :g - a * b] = 0
+            with torch.enable_grad():
+                oc = _attend_chunk(qc, kc, vc, ok)                                   # recomputed
+            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), gc)
+            _put_chunk_rows(dq, gq, n, b, a)
+            dk.index_add_(1, idx, gk)
+            dv.index_add_(1, idx, gv)
+        if g > 0:
+            qg, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, :g], k, v))
+            with torch.enable_grad():
+                og = _attend_fused(qg, kk, vv, real[:, None, None, :])
+            gq, gk, gv = torch.autograd.grad(og, (qg, kk, vv), grad_out[:, :, :g])
+            dq[:, :, :g] += gq
+            dk.view(B, H, L, d).add_(gk)
+            dv.view(B, H, L, d).add_(gv)
+        return dq, dk.view(B, H, L, d), dv.view(B, H, L, d), None, None, None, None, None, None, None
 
 
-def _stage1_fused(qb, k, v, kidx_flat, valid):
-    """The block layout without dropout, by _attend_fused, a chunk of query blocks at a time.
-    qb [B, H, m, bq, d], k/v [B, H, L, d], kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K].
-    Chunks keep each gathered key tensor, and each fused call's working set, small (<= CHUNK_ELEMENTS):
-    large ones are fresh memory (page faults) on every step and fall out of cache, so time would grow faster
-    than n. Every piece is cut once (split, GatherChunks), so the backward also stays linear in n.
-    Returns [B, H, m, bq, d]."""
-    B, H, m, bq, d = qb.shape
-    L, K = k.shape[2], kidx_flat.shape[-1]
+def _chunk_rows(a, n, b, start, mc):
+    """The query rows of blocks start .. start + mc - 1: [B, H, L, e] -> [B, H, mc, bq, e] (HST, L > n: R_j
+    is row b)."""
+    B, H, L, e = a.shape
+    rows = a[:, :, start * b:(start + mc) * b].reshape(B, H, mc, b, e)
+    return torch.cat([rows, a[:, :, n + start:n + start + mc, None]], dim=3) if L > n else rows
+
+
+def _put_chunk_rows(out, oc, n, b, start):
+    """The inverse of _chunk_rows: write oc [B, H, mc, bq, e] into the rows of out [B, H, L, e]."""
+    B, H, mc, _, e = oc.shape
+    out[:, :, start * b:(start + mc) * b] = oc[:, :, :, :b].reshape(B, H, mc * b, e)
+    if out.shape[2] > n:
+        out[:, :, n + start:n + start + mc] = oc[:, :, :, b]
+
+
+def _stage1_fused(q, k, v, n, b, g, kidx_flat, valid, real):
+    """Stage 1 without dropout by FusedSparseAttention, in chunks of query blocks. q, k, v [B, H, L, d],
+    kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K], real [B, L]. Chunks keep each gathered key
+    tensor, and each fused call's working set, small (<= CHUNK_ELEMENTS): large ones are fresh memory (page
+    faults) on every step and fall out of cache, so time would grow faster than n. Returns [B, H, L, d]."""
+    B, H, L, d = q.shape
+    K = kidx_flat.shape[-1]
     step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
-    # key-major gather [B, K, H mc, d], seen as [B, H mc, K, d]: SDPA's backward returns the key gradients
-    # in this layout, so the gather's backward (index_add_) needs no copy
-    idxs = [c.permute(2, 0, 1).reshape(-1) for c in kidx_flat.split(step, dim=1)]  # [K H mc] each
-    k_chunks = GatherChunks.apply(k.reshape(B, H * L, d), *idxs)
-    v_chunks = GatherChunks.apply(v.reshape(B, H * L, d), *idxs)
-    outs = []
-    for qc, kc, vc, ok in zip(qb.split(step, dim=2), k_chunks, v_chunks, valid.split(step, dim=2)):
-        mc = qc.shape[2]
-
-        def heads_first(c):                                                         # [B, H mc, K, d]
-            return c.view(B, K, H * mc, d).transpose(1, 2)
-        out = _attend_fused(qc.reshape(B, H * mc, bq, d), heads_first(kc), heads_first(vc),
-                            ok.flatten(1, 2))                                      # [B, H mc, bq, d]
-        outs.append(out.view(B, H, mc, bq, d))
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    idxs = [c.permute(2, 0, 1).reshape(-1) for c in kidx_flat.split(step, dim=1)]  # [K H mc] each, key-major
+    return FusedSparseAttention.apply(q, k, v, n, b, g, step, real, idxs, list(valid.split(step, dim=2)))
 
 
 def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn, pattern):
@@ -294,24 +349,19 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
         return torch.matmul(queries(a), gather_keys(c, flat, m).transpose(-1, -2))
 
-    fused = drop_fn is None and dropout_p == 0       # no dropout: PyTorch's fused attention, scores never stored
-    if fused:                                        # the block layout, [B, H, m, bq, d]
-        # without HST, row_ok only masks the global query rows, which are replaced below: keys alone suffice
+    if drop_fn is None and dropout_p == 0:   # no dropout: PyTorch's fused attention, scores never stored
+        # without HST, row_ok only masks the global query rows, which are replaced: keys alone suffice
         ok = valid_keys & row_ok if with_reps else valid_keys                       # [B, H, m, bq or 1, K]
-        out = _stage1_fused(queries(q), k, v, flat.view(H, m, K), ok)
-    else:
-        valid = valid_keys & row_ok                                                 # [B, H, m, bq, K]
-        out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
-                      pair_local)                                                   # [B, H, m, bq, d]
+        return _stage1_fused(q, k, v, n, b, g, flat.view(H, m, K), ok, real)      # [B, H, L, d]
+    valid = valid_keys & row_ok                                                     # [B, H, m, bq, K]
+    out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
+                  pair_local)                                                       # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
     if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
         def pair_global(a, c):                       # [B, H, g, L]
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
 
-        if fused:
-            out_g = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
-        else:
-            out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
+        out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global)
         tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                     # [B, H, n, d]
     if not with_reps:
         return tok_out
