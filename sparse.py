@@ -86,7 +86,8 @@ def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pat
     p = Pattern(**pattern)
     m, H = num_blocks, num_heads
     offsets = p.window_offsets()
-    fewest = min((sum(0 <= i + o < m for o in offsets) for i in range(m)), default=0)  # window blocks, fewest
+    in_range = [len([o for o in offsets if 0 <= i + o < m]) for i in range(m)]  # window blocks per query block
+    fewest = min(in_range) if in_range else 0
     r = min(p.num_random, m - fewest)
     if r == 0:
         idx = torch.zeros(H, m, 0, dtype=torch.long, device=device)
@@ -305,6 +306,7 @@ def _put_chunk_rows(out, oc, n, b, start):
         out[:, :, n + start:n + start + mc] = oc[:, :, :, b]
 
 
+@torch.compiler.disable   # its backward calls torch.autograd.grad, which dynamo does not trace: eager under --compile
 def _stage1_fused(q, k, v, n, b, g, kidx_flat, valid, real):
     """Stage 1 without dropout by FusedSparseAttention, in chunks of query blocks. q, k, v [B, H, L, d],
     kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K], real [B, L]. Chunks keep each gathered key
