@@ -57,6 +57,7 @@ class Config:
     window: int = 1                   # w: query block i sees key blocks i-w .. i+w
     num_global: int = 1               # g: the first g tokens attend to, and are attended by, everything
     num_random: int = 0               # r: random key blocks per query block (BigBird uses 3)
+    flex_attention: bool = True       # sparse / hst with no attention dropout, on CUDA: FlexAttention (False: gather)
     # --- attention dropout method (SPEC 3; attendout.py) ---
     attn_dropout: str = "standard"    # "standard" | "none" | "attendout" | "scheduled"
     gnet_dim: int = 16                # d_g, G-Net projection size per head
@@ -189,7 +190,8 @@ class Attention(nn.Module):
             sparse_kernel = block_sparse_attention if kernel == "sparse" else hst_attention
             c = self.cfg
             y = sparse_kernel(q, k, v, key_mask, generator=self.eval_generator(x.device), dropout_p=p,
-                              drop_fn=drop_fn, **pattern_of(c))       # block_size, window, num_global, ...
+                              drop_fn=drop_fn, flex=c.flex_attention and x.is_cuda,
+                              **pattern_of(c))                      # block_size, window, num_global, ...
         y = y.transpose(1, 2).reshape(B, L, d)                                 # [B, L, d]
         return self.out(y)
 

@@ -371,23 +371,83 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
 
 
 def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, drop_fn=None,
-                           **pattern):
+                           flex=False, **pattern):
     """SPEC 2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size;
     pattern: the Pattern keywords (block_size, window=1, num_global=1, num_random=0).
     drop_fn (CONTRACT) is called twice: on the block layout A [B, H, m, b, K] and on the global rows
-    [B, H, g, n]. Returns [B, H, n, d_h]."""
+    [B, H, g, n]. flex=True: without dropout, run through FlexAttention (flex_stage1). Returns [B, H, n, d_h]."""
+    if flex and drop_fn is None and dropout_p == 0:
+        return flex_stage1(q, k, v, attention_mask, with_reps=False, generator=generator, **pattern)
     return _stage1(q, k, v, attention_mask, with_reps=False, generator=generator, dropout_p=dropout_p,
                    drop_fn=drop_fn, pattern=pattern)
 
 
-def hst_attention(q, k, v, attention_mask, *, generator=None, dropout_p=0.0, drop_fn=None, **pattern):
+def hst_attention(q, k, v, attention_mask, *, generator=None, dropout_p=0.0, drop_fn=None, flex=False, **pattern):
     """SPEC 2.2 stage 1 (reconstructed). q, k, v [B, H, n + m, d_h]: n tokens then m representatives.
     Token in block j: its 2.1 neighbourhood + R_j; global token: all tokens and representatives;
     R_j: the tokens of block j, the global tokens and R_j. R_j is valid (as a key) iff block j has a real
     token. The block layout is [B, H, m, b + 1, K + 1]: R_j is query row b and key column K of block j.
-    Returns [B, H, n + m, d_h]."""
+    flex=True: without dropout, run through FlexAttention (flex_stage1). Returns [B, H, n + m, d_h]."""
+    if flex and drop_fn is None and dropout_p == 0:
+        return flex_stage1(q, k, v, attention_mask, with_reps=True, generator=generator, **pattern)
     return _stage1(q, k, v, attention_mask, with_reps=True, generator=generator, dropout_p=dropout_p,
                    drop_fn=drop_fn, pattern=pattern)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlexAttention path (no dropout, no G-Net): the same layout as a BlockMask, PyTorch's fused block-sparse kernel
+
+_compiled_flex = None
+
+
+def _flex_kernel(device):
+    """flex_attention, compiled on CUDA (eager flex_attention is a slow reference there); eager on the CPU."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def layout_mask_mod(lay, real, n, b, g):
+    """FlexAttention's mask_mod(batch, head, query, key) -> bool for the layout `lay` over [X] or [X; R]:
+    token row in block i: the key blocks of its window / random slots (lay.blocks), the global tokens, R_i;
+    global row: every key; R_j's row (query n + j): the tokens of block j, the globals, R_j (lay.rep_row);
+    and the key must be real (not padding). The same sets as the gather kernel's columns."""
+    H, m, _ = lay.blocks.shape
+    table = torch.zeros(H, m, m, dtype=torch.long, device=real.device)
+    table = table.scatter_add_(-1, lay.blocks, lay.blocks_ok.long()) > 0              # [H, m, m] block i reads j
+
+    def mask_mod(bi, h, qi, ki):
+        q_tok, k_tok = qi < n, ki < n
+        i = torch.where(q_tok, qi // b, qi - n).clamp(0, m - 1)                      # query's block (R_j: j)
+        j = (ki // b).clamp(0, m - 1)                                                # key's block
+        token_row = k_tok & ((ki < g) | table[h, i, j]) | ~k_tok & (ki - n == i)
+        rep_row = k_tok & ((ki < g) | (j == i)) | ~k_tok & (ki - n == i)
+        allowed = torch.where(q_tok, token_row | (qi < g), rep_row)
+        return allowed & real[bi, ki]
+    return mask_mod
+
+
+def flex_stage1(q, k, v, attention_mask, *, with_reps, generator=None, **pattern):
+    """Stage 1 through torch.nn.attention.flex_attention (no dropout, no G-Net: nothing needs the
+    probabilities). The BlockMask comes from the same key_layout (and random draw) as the gather kernel, so
+    the outputs are equal. q, k, v [B, H, L, d] -> [B, H, L, d]. A row with no valid key gives 0 (as ours)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    p = Pattern(**pattern)
+    B, H, L, d = q.shape
+    b = p.block_size
+    n = L * b // (b + 1) if with_reps else L
+    m, g = n // b, min(p.num_global, n)
+    dev = q.device
+    real = real_keys(attention_mask, n, b, with_reps, B, dev)                        # [B, L]
+    rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)
+    lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
+    block_mask = create_block_mask(layout_mask_mod(lay, real, n, b, g), B, H, L, L, device=dev,
+                                   _compile=dev.type == "cuda")
+    return _flex_kernel(dev)(q, k, v, block_mask=block_mask)                        # [B, H, L, d]
 
 
 # ---------------------------------------------------------------------------------------------------------
