@@ -209,11 +209,11 @@ def _attend_fused(q, k, v, valid):
 CHUNK_ELEMENTS = 2 ** 21   # a gathered k or v chunk holds at most this many numbers (8 MB in fp32)
 
 
-def _gather_rows(c, idx):
-    """c [B, H, L, d] -> [B, len(idx), d]: rows idx of the heads-and-positions table [B, H L, d] (a flat index
-    h L + l), read in place (c is a strided view of the QKV projection: no [B, H L, d] copy is made)."""
-    L = c.shape[2]
-    return c[:, idx // L, idx % L]
+def _rows(c):
+    """[B, H, L, d] -> [B, H L, d]: heads and positions as rows, the table that the flat indices h L + l point
+    into (one copy of c: a strided view of the QKV projection cannot be flattened in place)."""
+    B, H, L, d = c.shape
+    return c.reshape(B, H * L, d)
 
 
 def _attend_chunk(qc, kc, vc, ok):
@@ -247,9 +247,11 @@ class FusedSparseAttention(torch.autograd.Function):
         ctx.sizes = (n, b, g, step, len(idxs))
         B, H, L, d = q.shape     # out [B, H, L, d] laid out as [B, L, H, d]: the layer's merge of heads is a view
         out = torch.empty(B, L, H, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        kf, vf = _rows(k), _rows(v)                                                 # [B, H L, d]
         for i, (idx, ok) in enumerate(zip(idxs, oks)):
             a = i * step
-            oc = _attend_chunk(_chunk_rows(q, n, b, a, ok.shape[2]), _gather_rows(k, idx), _gather_rows(v, idx), ok)
+            oc = _attend_chunk(_chunk_rows(q, n, b, a, ok.shape[2]), kf.index_select(1, idx), vf.index_select(1, idx),
+                               ok)
             _put_chunk_rows(out, oc, n, b, a)
         if g > 0:                            # SPEC 2.1: global rows attend to every key; replace their block rows
             out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
@@ -264,11 +266,12 @@ class FusedSparseAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)                  # one buffer each
         dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)              # [B, H L, d]
         dv = torch.zeros(B, H * L, d, dtype=v.dtype, device=v.device)
+        kf, vf = _rows(k), _rows(v)
         for i, (idx, ok) in enumerate(zip(idxs, oks)):
             a, mc = i * step, ok.shape[2]
             qc = _chunk_rows(q, n, b, a, mc).detach().requires_grad_()
-            kc = _gather_rows(k, idx).requires_grad_()                               # [B, K H mc, d] again
-            vc = _gather_rows(v, idx).requires_grad_()
+            kc = kf.index_select(1, idx).requires_grad_()                            # [B, K H mc, d] again
+            vc = vf.index_select(1, idx).requires_grad_()
             gc = _chunk_rows(grad_out, n, b, a, mc)
             if a * b < g:                    # the global rows' block results were replaced: no gradient
                 gc = gc.clone()
