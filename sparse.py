@@ -10,7 +10,7 @@ Run:  python sparse.py                     # draws the attention patterns (text 
 Layout. Every query block gathers its keys once, in this order (K columns in all):
     [ window blocks i-w .. i+w | r random blocks | g global tokens | (HST only) R_i ]
     (2w+1)*b              r*b               g                  1
-  The keys are gathered by token index (key_index, one index_select for k, v and pair_scores).
+  The keys are gathered by token index (key_layout, one index_select for k, v and pair_scores).
   - window blocks that fall off either end are clamped onto an existing block and masked;
   - a global token is attended through its global column only: wherever it also lies in a window or
     random block it is masked there, so no key is counted twice (SPEC 2.1);
@@ -18,8 +18,11 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
     the block layout are masked and replaced.
   Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
   of query blocks at a time, and so do the global rows; the gathered keys are not kept for the backward
-  (FusedBlockAttention gathers them again), and the chunks' key gradients add up in one buffer, so time
+  (FusedSparseAttention gathers them again), and the chunks' key gradients add up in one buffer, so time
   and memory are linear in n. No n x n tensor is ever built.
+  FlexAttention (flex=True, model.Config.flex_attention on CUDA): without dropout, stage 1 can also run
+  through torch's FlexAttention with a BlockMask made from the same layout (flex_stage1); the gather kernel
+  stays the reference and the path for dropout and AttendOut.
   drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
   global rows [B, H, g, L]. Padding masks keys only (as dense).
 
@@ -29,7 +32,8 @@ dense reference masks (dense_layout_mask) all read it, so a new pattern changes 
   1. Pattern: a field with its default (the kernels and masks take it as a keyword, pattern_of reads it
      from model.Config by name);
   2. the function that defines the piece: Pattern.window_offsets for the window (random_blocks avoids
-     whatever it returns), key_layout for a new group of key columns (give it a slice; R_i's row is rep_row);
+     whatever it returns), key_layout for a new group of key columns (give it a slice; R_i's row is rep_row;
+     FlexAttention's layout_mask_mod reads lay.blocks, so only a new column group needs a clause there);
   3. outside sparse.py: the model.Config field of the same name, its check in model.check_config, and the
      train.py flag (CONFIG_FLAGS + add_argument). Test it against the dense reference (tests/test_sparse.py).
 """
