@@ -16,7 +16,8 @@ Sections (--only takes names or numbers):
   4 hst        HST vs block-sparse on the same topology, n = 4096
   5 attendout  AttendOut vs standard attention dropout: train step and inference
   6 sar        SAR and R-Drop steps vs a plain cross-entropy step (sparse, n = 1024)
-  7 throughput (CUDA only) tokens/s and MFU at 4k and 16k, sparse vs dense SDPA, bf16
+  7 throughput (CUDA only) tokens/s and MFU at 4k and 16k: sparse (FlexAttention, gather kernel), HST vs
+               dense SDPA, bf16
 
 How to run it:
     python bench.py                       # everything, full sizes (tens of minutes on 2 busy CPU cores)
@@ -398,7 +399,8 @@ def long_step(spec, n):
     """(Config, model, train-step function) of a scaling point: long_config of spec["kind"] at length n,
     no attention dropout, hidden dropout 0.1, a random batch of spec["batch"]."""
     seed_all()
-    cfg = long_config(spec["kind"], n, attn_dropout="none", hidden_dropout_p=0.1)
+    attention, _, path = spec["kind"].partition("-")      # "sparse-gather": the gather kernel, not FlexAttention
+    cfg = long_config(attention, n, attn_dropout="none", hidden_dropout_p=0.1, flex_attention=path != "gather")
     model = Model(cfg).to(spec["device"]).train()
     batch = random_batch(spec["batch"], n, cfg.vocab_size, spec["device"])
     return cfg, model, step_fn(model, batch, ours_hidden_loss, spec["device"])
@@ -620,17 +622,21 @@ def bench_throughput(S, args, scaling=None):
     ns = S["throughput_ns"]
     have = (scaling or {}).get("points", {})
     res = {}
-    for kind in ("dense", "sparse"):
+    # on CUDA "sparse" and "hst" run through FlexAttention (Config.flex_attention), "sparse-gather" through the
+    # gather kernel (sparse.py's reference, the path with attention dropout)
+    for kind in ("dense", "sparse", "sparse-gather", "hst"):
         for n in ns:                         # reuse section 3's points when it ran in this process
             r = have.get(kind, {}).get(str(n))
             res.setdefault(kind, {})[n] = r if r else peak_memory_child(kind, n, args, steps=S["scaling_steps"])
-    print(f"## 7. Throughput, bf16 autocast: sparse vs dense SDPA (peak {args.peak_tflops:g} TFLOP/s)\n")
+    print(f"## 7. Throughput, bf16 autocast: sparse (FlexAttention and gather kernel) and HST vs dense SDPA "
+          f"(peak {args.peak_tflops:g} TFLOP/s)\n")
     print(table(["attention", "n", "ms/step (median)", "peak MiB", "tokens/s", "MFU"], scaling_rows(res, args)))
     figs = []
     for n in ns:
-        if all("times" in res[k][n] for k in res):
-            figs.append(figure(f"dense / sparse time at n={n} (sparse speed-up)", res["dense"][n]["times"],
-                               res["sparse"][n]["times"], expect="> 1: sparse faster"))
+        for kind in ("sparse", "sparse-gather", "hst"):
+            if "times" in res["dense"][n] and "times" in res[kind][n]:
+                figs.append(figure(f"dense / {kind} time at n={n} (speed-up)", res["dense"][n]["times"],
+                                   res[kind][n]["times"], expect="> 1: faster than dense"))
     print("\n" + "\n".join(f["line"] for f in figs) + "\n")
     return dict(points={k: {str(n): r for n, r in v.items()} for k, v in res.items()}, figures=figs)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import data
 from attendout import attendout_modules, make_attn_dropout
-from sparse import block_sparse_attention, hst_attention
+from sparse import block_sparse_attention, hst_attention, pattern_of
 
 
 # -----------------------------------------------------------------------------
@@ -58,6 +58,7 @@ class Config:
     window: int = 1                   # w: query block i sees key blocks i-w .. i+w
     num_global: int = 1               # g: the first g tokens attend to, and are attended by, everything
     num_random: int = 0               # r: random key blocks per query block (BigBird uses 3)
+    flex_attention: bool = True       # sparse / hst with no attention dropout, on CUDA: FlexAttention (False: gather)
     # --- attention dropout method (methods.md §3; attendout.py) ---
     attn_dropout: str = "standard"    # "standard" | "none" | "attendout" | "scheduled"
     gnet_dim: int = 16                # d_g, G-Net projection size per head
@@ -196,9 +197,9 @@ class Attention(nn.Module):
             masks = key_mask.chunk(views) if key_mask is not None else [None] * views
             for xv, qv, kv, vv, mv in zip(x.chunk(views), q.chunk(views), k.chunk(views), v.chunk(views), masks):
                 p, drop_fn = self.dropout_plan(xv)
-                ys.append(sparse_kernel(qv, kv, vv, mv, block_size=c.block_size, window=c.window,
-                                        num_global=c.num_global, num_random=c.num_random,
-                                        generator=self.eval_generator(x.device), dropout_p=p, drop_fn=drop_fn))
+                ys.append(sparse_kernel(qv, kv, vv, mv, generator=self.eval_generator(x.device), dropout_p=p,
+                                        drop_fn=drop_fn, flex=c.flex_attention and x.is_cuda,
+                                        **pattern_of(c)))           # block_size, window, num_global, ...
             y = torch.cat(ys) if views > 1 else ys[0]                          # [B, H, L, d_h]
         y = y.transpose(1, 2).reshape(B, L, d)                                 # [B, L, d]
         return self.out(y)

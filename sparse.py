@@ -10,47 +10,94 @@ Run:  python sparse.py                     # draws the attention patterns (text 
 Layout. Every query block gathers its keys once, in this order (K columns in all):
     [ window blocks i-w .. i+w | r random blocks | g global tokens | (HST only) R_i ]
     (2w+1)*b              r*b               g                  1
-  The keys are gathered by token index (key_index, one index_select for k, v and pair_scores).
+  The keys are gathered by token index (key_layout, one index_select for k, v and pair_scores).
   - window blocks that fall off either end are clamped onto an existing block and masked;
   - a global token is attended through its global column only: wherever it also lies in a window or
     random block it is masked there, so no key is counted twice (SPEC 2.1);
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
   Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
-  of query blocks at a time, and so do the global rows. The chunks' key gradients add up in one buffer
-  (GatherChunks), so the backward is linear in n too. No n x n tensor is ever built.
+  of query blocks at a time, and so do the global rows; the gathered keys are not kept for the backward
+  (FusedSparseAttention gathers them again), and the chunks' key gradients add up in one buffer, so time
+  and memory are linear in n. No n x n tensor is ever built.
+  FlexAttention (flex=True, model.Config.flex_attention on CUDA): without dropout, stage 1 can also run
+  through torch's FlexAttention with a BlockMask made from the same layout (flex_stage1); the gather kernel
+  stays the reference and the path for dropout and AttendOut.
   drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
   global rows [B, H, g, L]. Padding masks keys only (as dense).
+
+How to add a pattern (e.g. a dilated window). The layout is built in ONE place, key_layout (it returns
+the columns and the slices window / own / random / glob / rep); the kernel, the FlexAttention path and the
+dense reference masks (dense_layout_mask) all read it, so a new pattern changes only:
+  1. Pattern: a field with its default (the kernels and masks take it as a keyword, pattern_of reads it
+     from model.Config by name);
+  2. the function that defines the piece: Pattern.window_offsets for the window (random_blocks avoids
+     whatever it returns), key_layout for a new group of key columns (give it a slice; R_i's row is rep_row;
+     FlexAttention's layout_mask_mod reads lay.blocks, so only a new column group needs a clause there);
+  3. outside sparse.py: the model.Config field of the same name, its check in model.check_config, and the
+     train.py flag (CONFIG_FLAGS + add_argument). Test it against the dense reference (tests/test_sparse.py).
 """
 import argparse
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The pattern's knobs, and the window (the one place that says which blocks a window holds)
+
+class Pattern(NamedTuple):
+    """The sparse pattern's knobs, named as the model.Config fields (and train.py flags) that set them. Every
+    public function here takes them as keywords (block_size=64, window=1, ...) and builds this."""
+    block_size: int = 64      # b, tokens per block
+    window: int = 1           # w, window blocks on each side
+    num_global: int = 1       # g, global tokens at the start
+    num_random: int = 0       # r, random key blocks per query block
+
+    def window_offsets(self):
+        """Key blocks of query block i's window, as offsets from i: i-w .. i+w. Must hold 0 (the own block)."""
+        return list(range(-self.window, self.window + 1))
+
+
+def pattern_of(cfg):
+    """The Pattern keywords of a model.Config (its fields of the same names)."""
+    return {f: getattr(cfg, f) for f in Pattern._fields}
+
+
+def window_matrix(m, p, device=None):
+    """bool [m, m]: key block j is in query block i's window (j - i is one of p.window_offsets())."""
+    blk = torch.arange(m, device=device)
+    offsets = torch.tensor(p.window_offsets(), device=device)
+    return ((blk[None, :] - blk[:, None])[..., None] == offsets).any(-1)              # [m, m]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Random blocks (SPEC 2.1)
 
-def random_blocks(num_blocks, *, window=1, num_random=0, num_heads=1, generator=None, device=None):
+def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pattern):
     """Draw `num_random` key blocks per (head, query block), uniformly among the blocks outside the window.
 
     Returns (idx, ok): idx long [H, m, r], ok bool [H, m, r]. The draw is shared by every batch element
     (one draw per layer call, head and query block, like BigBird). Clamping: r = min(num_random, the most
     non-window blocks any query block has); a query block with fewer non-window blocks than r gets window
     blocks in its surplus slots and those slots have ok = False (masked). num_random = 0 draws nothing and
-    leaves the generator untouched. Used by both the kernel and dense_mask, so the same generator state
+    leaves the generator untouched. Used by both the kernel and the dense masks, so the same generator state
     gives the same pattern.
     """
-    m, w, H = num_blocks, window, num_heads
-    r = min(num_random, max(m - min(w + 1, m), 0))
+    p = Pattern(**pattern)
+    m, H = num_blocks, num_heads
+    offsets = p.window_offsets()
+    in_range = [len([o for o in offsets if 0 <= i + o < m]) for i in range(m)]  # window blocks per query block
+    fewest = min(in_range) if in_range else 0
+    r = min(p.num_random, m - fewest)
     if r == 0:
         idx = torch.zeros(H, m, 0, dtype=torch.long, device=device)
         return idx, idx.bool()
     draw_device = generator.device if generator is not None else device
-    blk = torch.arange(m, device=draw_device)
-    in_window = (blk[:, None] - blk[None, :]).abs() <= w                    # [m, m]
+    in_window = window_matrix(m, p, draw_device)                               # [m, m]
     u = torch.rand(H, m, m, generator=generator, device=draw_device)        # [H, m, m] uniform keys
     u = u.masked_fill(in_window, 2.0)                                       # window blocks sort last
     idx = u.argsort(dim=-1)[..., :r]                                        # [H, m, r] r smallest = uniform
@@ -59,34 +106,62 @@ def random_blocks(num_blocks, *, window=1, num_random=0, num_heads=1, generator=
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The gather: one query block's keys, [window | random | global | extra], as token indices
+# The key layout: one query block's keys, [window | random | global | representative], as token indices.
+# THE one place that builds it; the kernel, the FlexAttention path and the dense masks all read it.
 
-def key_index(n, *, block_size, window, num_global, rand_idx, rand_ok, with_reps=False):
-    """Token index of every key of every query block, and whether the pattern allows it (before padding).
+class Layout(NamedTuple):
+    kidx: torch.Tensor      # long [H, m, K]: token index of every key column (positions in [X] or [X; R])
+    kin: torch.Tensor       # bool [H, m, K]: the pattern allows the column (before padding)
+    blocks: torch.Tensor    # long [H, m, nw + r]: key block of each window / random slot (clamped)
+    blocks_ok: torch.Tensor  # bool [H, m, nw + r]: the slot is a real, allowed block
+    window: slice           # columns of the window blocks
+    own: slice              # columns of query block i itself (inside the window)
+    random: slice           # columns of the random blocks
+    glob: slice             # columns of the g global tokens
+    rep: slice              # column of R_i (HST; empty otherwise)
+    rep_row: torch.Tensor   # bool [K]: the columns R_i's own query row reads (HST: own block, globals, R_i)
 
-    Returns kidx long [H, m, K] (positions in [X] or [X; R]) and kin bool [H, m, K], K = (2w + 1 + r) b + g
-    (+ 1 with representatives). Window blocks off either end are clamped (kin False); a global token inside a
-    window or random block has kin False there, it is attended through its global column (SPEC 2.1: never
-    counted twice)."""
-    b, w, g = block_size, window, num_global
-    m = n // b
-    H = rand_idx.shape[0]
+
+def key_layout(n, p, rand_idx, rand_ok, with_reps=False):
+    """The keys of every query block, K = (nw + r) b + g (+ 1 with representatives) columns, nw = 2w + 1.
+
+    Window blocks off either end are clamped (kin False); a global token inside a window or random block has
+    kin False there, it is attended through its global column (SPEC 2.1: never counted twice)."""
+    b = p.block_size
+    m, g = n // b, min(p.num_global, n)
+    H, r = rand_idx.shape[0], rand_idx.shape[-1]
     dev = rand_idx.device
+    offsets = p.window_offsets()
+    nw = len(offsets)
     i = torch.arange(m, device=dev)
-    blk = i[:, None] + torch.arange(-w, w + 1, device=dev)[None, :]                 # [m, 2w + 1] window
-    blk_in = (blk >= 0) & (blk < m)
-    blk = torch.cat([blk.clamp(0, m - 1).expand(H, m, 2 * w + 1), rand_idx], dim=-1)  # [H, m, 2w + 1 + r]
-    blk_in = torch.cat([blk_in.expand(H, m, 2 * w + 1), rand_ok], dim=-1)
-    tok = blk[..., None] * b + torch.arange(b, device=dev)                           # [H, m, 2w + 1 + r, b]
-    tok_in = blk_in[..., None] & (tok >= g)
-    kidx, kin = [tok.flatten(2)], [tok_in.flatten(2)]
-    if g > 0:                                                                         # global columns
-        kidx.append(torch.arange(g, device=dev).expand(H, m, g))
-        kin.append(torch.ones(H, m, g, dtype=torch.bool, device=dev))
+    win = i[:, None] + torch.tensor(offsets, device=dev)                              # [m, nw] window
+    blocks = torch.cat([win.clamp(0, m - 1).expand(H, m, nw), rand_idx], dim=-1)      # [H, m, nw + r]
+    blocks_ok = torch.cat([((win >= 0) & (win < m)).expand(H, m, nw), rand_ok], dim=-1)
+    tok = blocks[..., None] * b + torch.arange(b, device=dev)                          # [H, m, nw + r, b]
+    kidx = [tok.flatten(2), torch.arange(g, device=dev).expand(H, m, g)]              # blocks, globals
+    kin = [(blocks_ok[..., None] & (tok >= g)).flatten(2), torch.ones(H, m, g, dtype=torch.bool, device=dev)]
     if with_reps:                                                                     # R_i column (SPEC 2.2)
         kidx.append((n + i).view(1, m, 1).expand(H, m, 1))
         kin.append(torch.ones(H, m, 1, dtype=torch.bool, device=dev))
-    return torch.cat(kidx, dim=-1), torch.cat(kin, dim=-1)
+    kidx, kin = torch.cat(kidx, dim=-1), torch.cat(kin, dim=-1)                       # [H, m, K]
+    c_win, c_rand = nw * b, (nw + r) * b                                              # column boundaries
+    own = offsets.index(0) * b
+    window, own, random = slice(0, c_win), slice(own, own + b), slice(c_win, c_rand)
+    glob, rep = slice(c_rand, c_rand + g), slice(c_rand + g, kidx.shape[-1])
+    rep_row = torch.zeros(kidx.shape[-1], dtype=torch.bool, device=dev)
+    if with_reps:                                       # R_i reads the tokens of block i, the globals and R_i
+        for cols in (own, glob, rep):
+            rep_row[cols] = True
+    return Layout(kidx, kin, blocks, blocks_ok, window, own, random, glob, rep, rep_row)
+
+
+def real_keys(attention_mask, n, block_size, with_reps, batch_size=1, device=None):
+    """bool [B, L]: which keys are real (not padding). HST: R_j is real iff block j has a real token."""
+    real = (torch.ones(batch_size, n, dtype=torch.bool, device=device) if attention_mask is None
+            else attention_mask.to(device=device).bool())                               # [B, n]
+    if with_reps:
+        real = torch.cat([real, real.view(real.shape[0], -1, block_size).any(-1)], dim=1)  # [B, n + m]
+    return real
 
 
 def flat_index(kidx, L):
@@ -141,79 +216,133 @@ def _attend_fused(q, k, v, valid):
 CHUNK_ELEMENTS = 2 ** 21   # a gathered k or v chunk holds at most this many numbers (8 MB in fp32)
 
 
-class GatherChunks(torch.autograd.Function):
-    """src [B, N, e] -> one gathered tensor [B, len(idx), e] per index tensor (rows of src, index_select).
+def _rows(c):
+    """[B, H, L, d] -> [B, H L, d]: heads and positions as rows, the table that the flat indices h L + l point
+    into (one copy of c: a strided view of the QKV projection cannot be flattened in place)."""
+    B, H, L, d = c.shape
+    return c.reshape(B, H * L, d)
 
-    Why not plain index_select per chunk: its backward fills a zero gradient the size of src for EVERY
-    chunk and autograd then adds them up, so c chunks cost c full-size fills and adds, O(n^2) in all.
-    Here the backward receives every chunk's gradient at once and index_add_s them into ONE buffer."""
+
+def _attend_chunk(qc, kc, vc, ok):
+    """One chunk of query blocks by _attend_fused. qc [B, H, mc, bq, d]; kc, vc [B, K H mc, d] (key-major
+    gathers); ok [B, H, mc, bq or 1, K]. Returns [B, H, mc, bq, d]."""
+    B, H, mc, bq, d = qc.shape
+    K = ok.shape[-1]
+
+    def heads_first(c):      # [B, H mc, K, d]; key-major: SDPA's key gradients come back in the gather's layout
+        return c.view(B, K, H * mc, d).transpose(1, 2)
+    out = _attend_fused(qc.reshape(B, H * mc, bq, d), heads_first(kc), heads_first(vc), ok.flatten(1, 2))
+    return out.view(B, H, mc, bq, d)
+
+
+class FusedSparseAttention(torch.autograd.Function):
+    """Stage 1 without dropout, all of it: the block layout a chunk of `step` query blocks at a time (gather
+    the chunk's keys and values, _attend_fused), then the g global rows densely (_attend_fused over all keys).
+    q, k, v [B, H, L, d]; idxs: one long [K H mc] per chunk (flat rows h L + l, key-major); oks: one bool
+    [B, H, mc, bq or 1, K] per chunk; real [B, L]. Returns [B, H, L, d].
+
+    Memory: the gathered keys and values are K = (2w + 1 + r) b + g (+ 1) rows per query block, K / b times
+    the size of k and v, so nothing gathered is kept for the backward: it saves q, k, v (the layer keeps them
+    anyway), the indices and the masks. The backward gathers each chunk again, recomputes its attention (as
+    a fused kernel's backward recomputes its scores tile by tile) and adds every chunk's gradients into ONE
+    buffer per q, k, v (autograd's own index_select backward would zero-fill a full-size gradient per chunk,
+    O(n^2) in all). So memory is O(n d), like dense fused attention's, and time is linear in n."""
 
     @staticmethod
-    def forward(ctx, src, *idxs):
-        B, N, e = src.shape
-        offset = torch.arange(B, device=src.device)[:, None] * N                  # batch b -> rows b N ..
-        rows = [(offset + i).reshape(-1) for i in idxs]                            # rows of src [B N, e]
-        ctx.save_for_backward(*rows)
-        ctx.src_shape = src.shape
-        flat = src.reshape(B * N, e)
-        return tuple(flat.index_select(0, r).view(B, -1, e) for r in rows)
+    def forward(ctx, q, k, v, n, b, g, step, real, idxs, oks):
+        ctx.save_for_backward(q, k, v, real, *idxs, *oks)
+        ctx.sizes = (n, b, g, step, len(idxs))
+        B, H, L, d = q.shape     # out [B, H, L, d] laid out as [B, L, H, d]: the layer's merge of heads is a view
+        out = torch.empty(B, L, H, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        kf, vf = _rows(k), _rows(v)                                                 # [B, H L, d]
+        for i, (idx, ok) in enumerate(zip(idxs, oks)):
+            a = i * step
+            oc = _attend_chunk(_chunk_rows(q, n, b, a, ok.shape[2]), kf.index_select(1, idx), vf.index_select(1, idx),
+                               ok)
+            _put_chunk_rows(out, oc, n, b, a)
+        if g > 0:                            # SPEC 2.1: global rows attend to every key; replace their block rows
+            out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
+        return out
 
     @staticmethod
-    def backward(ctx, *grads):
-        B, N, e = ctx.src_shape
-        some = next(gr for gr in grads if gr is not None)                           # for dtype and device
-        grad = some.new_zeros(B * N, e)                                              # the one buffer
-        for r, gr in zip(ctx.saved_tensors, grads):
-            if gr is not None:
-                grad.index_add_(0, r, gr.reshape(-1, e))
-        return (grad.view(B, N, e),) + (None,) * len(grads)
+    def backward(ctx, grad_out):
+        q, k, v, real, *rest = ctx.saved_tensors
+        n, b, g, step, chunks = ctx.sizes
+        idxs, oks = rest[:chunks], rest[chunks:]
+        B, H, L, d = k.shape
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)                  # one buffer each
+        dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)              # [B, H L, d]
+        dv = torch.zeros(B, H * L, d, dtype=v.dtype, device=v.device)
+        kf, vf = _rows(k), _rows(v)
+        for i, (idx, ok) in enumerate(zip(idxs, oks)):
+            a, mc = i * step, ok.shape[2]
+            qc = _chunk_rows(q, n, b, a, mc).detach().requires_grad_()
+            kc = kf.index_select(1, idx).requires_grad_()                            # [B, K H mc, d] again
+            vc = vf.index_select(1, idx).requires_grad_()
+            gc = _chunk_rows(grad_out, n, b, a, mc)
+            if a * b < g:                    # the global rows' block results were replaced: no gradient
+                gc = gc.clone()
+                gc[:, :, :, :b].reshape(B, H, mc * b, d)[:, :, :g - a * b] = 0
+            with torch.enable_grad():
+                oc = _attend_chunk(qc, kc, vc, ok)                                   # recomputed
+            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), gc)
+            _put_chunk_rows(dq, gq, n, b, a)
+            dk.index_add_(1, idx, gk)
+            dv.index_add_(1, idx, gv)
+        if g > 0:
+            qg, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, :g], k, v))
+            with torch.enable_grad():
+                og = _attend_fused(qg, kk, vv, real[:, None, None, :])
+            gq, gk, gv = torch.autograd.grad(og, (qg, kk, vv), grad_out[:, :, :g])
+            dq[:, :, :g] += gq
+            dk.view(B, H, L, d).add_(gk)
+            dv.view(B, H, L, d).add_(gv)
+        return dq, dk.view(B, H, L, d), dv.view(B, H, L, d), None, None, None, None, None, None, None
 
 
-def _stage1_fused(qb, k, v, kidx_flat, valid):
-    """The block layout without dropout, by _attend_fused, a chunk of query blocks at a time.
-    qb [B, H, m, bq, d], k/v [B, H, L, d], kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K].
-    Chunks keep each gathered key tensor, and each fused call's working set, small (<= CHUNK_ELEMENTS):
-    large ones are fresh memory (page faults) on every step and fall out of cache, so time would grow faster
-    than n. Every piece is cut once (split, GatherChunks), so the backward also stays linear in n.
-    Returns [B, H, m, bq, d]."""
-    B, H, m, bq, d = qb.shape
-    L, K = k.shape[2], kidx_flat.shape[-1]
-    step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
-    # key-major gather [B, K, H mc, d], seen as [B, H mc, K, d]: SDPA's backward returns the key gradients
-    # in this layout, so the gather's backward (index_add_) needs no copy
-    idxs = [c.permute(2, 0, 1).reshape(-1) for c in kidx_flat.split(step, dim=1)]  # [K H mc] each
-    k_chunks = GatherChunks.apply(k.reshape(B, H * L, d), *idxs)
-    v_chunks = GatherChunks.apply(v.reshape(B, H * L, d), *idxs)
-    outs = []
-    for qc, kc, vc, ok in zip(qb.split(step, dim=2), k_chunks, v_chunks, valid.split(step, dim=2)):
-        mc = qc.shape[2]
-
-        def heads_first(c):                                                         # [B, H mc, K, d]
-            return c.view(B, K, H * mc, d).transpose(1, 2)
-        out = _attend_fused(qc.reshape(B, H * mc, bq, d), heads_first(kc), heads_first(vc),
-                            ok.flatten(1, 2))                                      # [B, H mc, bq, d]
-        outs.append(out.view(B, H, mc, bq, d))
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+def _chunk_rows(a, n, b, start, mc):
+    """The query rows of blocks start .. start + mc - 1: [B, H, L, e] -> [B, H, mc, bq, e] (HST, L > n: R_j
+    is row b)."""
+    B, H, L, e = a.shape
+    rows = a[:, :, start * b:(start + mc) * b].reshape(B, H, mc, b, e)
+    return torch.cat([rows, a[:, :, n + start:n + start + mc, None]], dim=3) if L > n else rows
 
 
-def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_global, num_random, generator,
-            dropout_p, drop_fn):
-    """Shared body of block_sparse_attention (with_reps=False, L = n) and hst_attention (L = n + m)."""
+def _put_chunk_rows(out, oc, n, b, start):
+    """The inverse of _chunk_rows: write oc [B, H, mc, bq, e] into the rows of out [B, H, L, e]."""
+    B, H, mc, _, e = oc.shape
+    out[:, :, start * b:(start + mc) * b] = oc[:, :, :, :b].reshape(B, H, mc * b, e)
+    if out.shape[2] > n:
+        out[:, :, n + start:n + start + mc] = oc[:, :, :, b]
+
+
+@torch.compiler.disable   # its backward calls torch.autograd.grad, which dynamo does not trace: eager under --compile
+def _stage1_fused(q, k, v, n, b, g, kidx_flat, valid, real):
+    """Stage 1 without dropout by FusedSparseAttention, in chunks of query blocks. q, k, v [B, H, L, d],
+    kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K], real [B, L]. Chunks keep each gathered key
+    tensor, and each fused call's working set, small (<= CHUNK_ELEMENTS): large ones are fresh memory (page
+    faults) on every step and fall out of cache, so time would grow faster than n. Returns [B, H, L, d]."""
     B, H, L, d = q.shape
-    b, w = block_size, window
+    K = kidx_flat.shape[-1]
+    step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
+    idxs = [c.permute(2, 0, 1).reshape(-1) for c in kidx_flat.split(step, dim=1)]  # [K H mc] each, key-major
+    return FusedSparseAttention.apply(q, k, v, n, b, g, step, real, idxs, list(valid.split(step, dim=2)))
+
+
+def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn, pattern):
+    """Shared body of block_sparse_attention (with_reps=False, L = n) and hst_attention (L = n + m)."""
+    p = Pattern(**pattern)
+    B, H, L, d = q.shape
+    b = p.block_size
     n = L * b // (b + 1) if with_reps else L
     m = n // b
     assert n % b == 0 and L == (n + m if with_reps else n), f"length {L} does not fit block size {b}"
-    g = min(num_global, n)
+    g = min(p.num_global, n)
     dev = q.device
-    real = (torch.ones(B, n, dtype=torch.bool, device=dev) if attention_mask is None
-            else attention_mask.to(device=dev).bool())                              # [B, n]
-    if with_reps:  # R_j is a valid key iff block j has a real token
-        real = torch.cat([real, real.view(B, m, b).any(-1)], dim=1)                # [B, n + m]
-    rand_idx, rand_ok = random_blocks(m, window=w, num_random=num_random, num_heads=H, generator=generator,
-                                      device=dev)                                   # [H, m, r]
-    kidx, kin = key_index(n, block_size=b, window=w, num_global=g, rand_idx=rand_idx, rand_ok=rand_ok,
-                          with_reps=with_reps)                                      # [H, m, K]
+    real = real_keys(attention_mask, n, b, with_reps, B, dev)                       # [B, L]
+    rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)  # [H, m, r]
+    lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
+    kidx = lay.kidx                                                                 # [H, m, K]
     K = kidx.shape[-1]
     flat = flat_index(kidx, L)                                                      # [H m K]
 
@@ -221,117 +350,176 @@ def _stage1(q, k, v, attention_mask, *, with_reps, block_size, window, num_globa
         ab = a[:, :, :n].reshape(B, H, m, b, a.shape[-1])
         return torch.cat([ab, a[:, :, n:, None]], dim=3) if with_reps else ab
 
-    # query side: global query rows are done densely below; R_j reads only block j, the globals and R_j
+    # query side: global query rows are done densely below; R_j reads only what lay.rep_row says
     bq = b + 1 if with_reps else b
     row_ok = torch.ones(m, bq, K, dtype=torch.bool, device=dev)                    # [m, bq, K]
     row_ok[:, :b] &= (torch.arange(n, device=dev) >= g).view(m, b, 1)
     if with_reps:
-        s_glob = (2 * w + 1 + rand_idx.shape[-1]) * b                               # first global column
-        row_ok[:, b, :] = False
-        row_ok[:, b, w * b:(w + 1) * b] = True                                     # tokens of block j
-        row_ok[:, b, s_glob:] = True                                                # globals and R_j
-    valid_keys = (kin & real[:, kidx])[:, :, :, None, :]                           # [B, H, m, 1, K]
+        row_ok[:, b, :] = lay.rep_row
+    valid_keys = (lay.kin & real[:, kidx])[:, :, :, None, :]                       # [B, H, m, 1, K]
 
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
         return torch.matmul(queries(a), gather_keys(c, flat, m).transpose(-1, -2))
 
-    fused = drop_fn is None and dropout_p == 0       # no dropout: PyTorch's fused attention, scores never stored
-    if fused:                                        # the block layout, [B, H, m, bq, d]
-        # without HST, row_ok only masks the global query rows, which are replaced below: keys alone suffice
+    if drop_fn is None and dropout_p == 0:   # no dropout: PyTorch's fused attention, scores never stored
+        # without HST, row_ok only masks the global query rows, which are replaced: keys alone suffice
         ok = valid_keys & row_ok if with_reps else valid_keys                       # [B, H, m, bq or 1, K]
-        out = _stage1_fused(queries(q), k, v, flat.view(H, m, K), ok)
-    else:
-        valid = valid_keys & row_ok                                                 # [B, H, m, bq, K]
-        real_rows = real[:, :n].view(B, 1, m, b, 1)                                 # real query tokens
-        if with_reps:                                                               # and real R_j rows
-            real_rows = torch.cat([real_rows, real[:, n:].view(B, 1, m, 1, 1)], dim=3)  # [B, 1, m, bq, 1]
-        out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
-                      pair_local, real_rows)                                        # [B, H, m, bq, d]
+        return _stage1_fused(q, k, v, n, b, g, flat.view(H, m, K), ok, real)      # [B, H, L, d]
+    valid = valid_keys & row_ok                                                     # [B, H, m, bq, K]
+    real_rows = real[:, :n].view(B, 1, m, b, 1)                                     # real query tokens
+    if with_reps:                                                                   # and real R_j rows
+        real_rows = torch.cat([real_rows, real[:, n:].view(B, 1, m, 1, 1)], dim=3)  # [B, 1, m, bq, 1]
+    out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
+                  pair_local, real_rows)                                            # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
     if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
         def pair_global(a, c):                       # [B, H, g, L]
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
 
-        if fused:
-            out_g = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
-        else:
-            out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global,
-                            real[:, None, :g, None])
+        out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global,
+                        real[:, None, :g, None])
         tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                     # [B, H, n, d]
     if not with_reps:
         return tok_out
     return torch.cat([tok_out, out[:, :, :, b]], dim=2)                             # [B, H, n + m, d]
 
 
-def block_sparse_attention(q, k, v, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0,
-                           generator=None, dropout_p=0.0, drop_fn=None):
-    """SPEC 2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size.
+def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, drop_fn=None,
+                           flex=False, **pattern):
+    """SPEC 2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size;
+    pattern: the Pattern keywords (block_size, window=1, num_global=1, num_random=0).
     drop_fn (CONTRACT) is called twice: on the block layout A [B, H, m, b, K] and on the global rows
-    [B, H, g, n]. Returns [B, H, n, d_h]."""
-    return _stage1(q, k, v, attention_mask, with_reps=False, block_size=block_size, window=window,
-                   num_global=num_global, num_random=num_random, generator=generator, dropout_p=dropout_p,
-                   drop_fn=drop_fn)
+    [B, H, g, n]. flex=True: without dropout, run through FlexAttention (flex_stage1). Returns [B, H, n, d_h]."""
+    if flex and drop_fn is None and dropout_p == 0:
+        return flex_stage1(q, k, v, attention_mask, with_reps=False, generator=generator, **pattern)
+    return _stage1(q, k, v, attention_mask, with_reps=False, generator=generator, dropout_p=dropout_p,
+                   drop_fn=drop_fn, pattern=pattern)
 
 
-def hst_attention(q, k, v, attention_mask, *, block_size, window=1, num_global=1, num_random=0,
-                  generator=None, dropout_p=0.0, drop_fn=None):
+def hst_attention(q, k, v, attention_mask, *, generator=None, dropout_p=0.0, drop_fn=None, flex=False, **pattern):
     """SPEC 2.2 stage 1 (reconstructed). q, k, v [B, H, n + m, d_h]: n tokens then m representatives.
     Token in block j: its 2.1 neighbourhood + R_j; global token: all tokens and representatives;
     R_j: the tokens of block j, the global tokens and R_j. R_j is valid (as a key) iff block j has a real
     token. The block layout is [B, H, m, b + 1, K + 1]: R_j is query row b and key column K of block j.
-    Returns [B, H, n + m, d_h]."""
-    return _stage1(q, k, v, attention_mask, with_reps=True, block_size=block_size, window=window,
-                   num_global=num_global, num_random=num_random, generator=generator, dropout_p=dropout_p,
-                   drop_fn=drop_fn)
+    flex=True: without dropout, run through FlexAttention (flex_stage1). Returns [B, H, n + m, d_h]."""
+    if flex and drop_fn is None and dropout_p == 0:
+        return flex_stage1(q, k, v, attention_mask, with_reps=True, generator=generator, **pattern)
+    return _stage1(q, k, v, attention_mask, with_reps=True, generator=generator, dropout_p=dropout_p,
+                   drop_fn=drop_fn, pattern=pattern)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlexAttention path (no dropout, no G-Net): the same layout as a BlockMask, PyTorch's fused block-sparse kernel
+
+_compiled_flex = None
+
+
+def _flex_kernel(device):
+    """flex_attention, compiled on CUDA (eager flex_attention is a slow reference there); eager on the CPU."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def layout_mask_mod(lay, real, n, b, g):
+    """FlexAttention's mask_mod(batch, head, query, key) -> bool for the layout `lay` over [X] or [X; R]:
+    token row in block i: the key blocks of its window / random slots (lay.blocks), the global tokens, R_i;
+    global row: every key; R_j's row (query n + j): the tokens of block j, the globals, R_j (lay.rep_row);
+    and the key must be real (not padding). The same sets as the gather kernel's columns."""
+    H, m, _ = lay.blocks.shape
+    table = torch.zeros(H, m, m, dtype=torch.long, device=real.device)
+    table = table.scatter_add_(-1, lay.blocks, lay.blocks_ok.long()) > 0              # [H, m, m] block i reads j
+
+    def mask_mod(bi, h, qi, ki):
+        q_tok, k_tok = qi < n, ki < n
+        i = torch.where(q_tok, qi // b, qi - n).clamp(0, m - 1)                      # query's block (R_j: j)
+        j = (ki // b).clamp(0, m - 1)                                                # key's block
+        token_row = k_tok & ((ki < g) | table[h, i, j]) | ~k_tok & (ki - n == i)
+        rep_row = k_tok & ((ki < g) | (j == i)) | ~k_tok & (ki - n == i)
+        allowed = torch.where(q_tok, token_row | (qi < g), rep_row)
+        return allowed & real[bi, ki]
+    return mask_mod
+
+
+def flex_stage1(q, k, v, attention_mask, *, with_reps, generator=None, **pattern):
+    """Stage 1 through torch.nn.attention.flex_attention (no dropout, no G-Net: nothing needs the
+    probabilities). The BlockMask comes from the same key_layout (and random draw) as the gather kernel, so
+    the outputs are equal. q, k, v [B, H, L, d] -> [B, H, L, d]. A row with no valid key gives 0 (as ours)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    p = Pattern(**pattern)
+    B, H, L, d = q.shape
+    b = p.block_size
+    n = L * b // (b + 1) if with_reps else L
+    m, g = n // b, min(p.num_global, n)
+    dev = q.device
+    real = real_keys(attention_mask, n, b, with_reps, B, dev)                        # [B, L]
+    rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)
+    lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
+    block_mask = create_block_mask(layout_mask_mod(lay, real, n, b, g), B, H, L, L, device=dev,
+                                   _compile=dev.type == "cuda")
+    return _flex_kernel(dev)(q, k, v, block_mask=block_mask)                        # [B, H, L, d]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Equivalent dense masks (teaching and tests only: these ARE n x n)
 
-def mask_parts(n, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0, generator=None,
-               num_heads=1, batch_size=1):
-    """The pieces of the 2.1 pattern: window [n, n], glob [n, n], rand [H, n, n], real [B, n] (bool)."""
-    b, m = block_size, n // block_size
-    g = min(num_global, n)
-    real = (torch.ones(batch_size, n, dtype=torch.bool) if attention_mask is None
-            else attention_mask.bool().cpu())
-    blk = torch.arange(n) // b                                                      # [n] block of a token
-    window_m = (blk[:, None] - blk[None, :]).abs() <= window                        # [n, n]
+def layout_rows(lay, L, cols):
+    """bool [H, m, L]: the keys that query block i's token rows read, from the layout columns where `cols`
+    ([H, m, K] bool) holds. A key held by several columns counts once (a bool mask is a set)."""
+    H, m, K = lay.kidx.shape
+    hits = torch.zeros(H, m, L, dtype=torch.long).scatter_add_(-1, lay.kidx.cpu(), cols.long().cpu())
+    return hits > 0
+
+
+def dense_layout_mask(n, attention_mask, *, with_reps, generator, num_heads, batch_size, **pattern):
+    """bool [B, H, L, L], True = query i may attend key j: the layout of key_layout written out densely
+    (L = n, or n + m for [X; R]); the same random draw as the kernel."""
+    p = Pattern(**pattern)
+    b = p.block_size
+    m, g = n // b, min(p.num_global, n)
+    L = n + m if with_reps else n
+    rand_idx, rand_ok = random_blocks(m, num_heads=num_heads, generator=generator, **pattern)
+    lay = key_layout(n, p, rand_idx.cpu(), rand_ok.cpu(), with_reps)
+    rows = layout_rows(lay, L, lay.kin)[:, torch.arange(n) // b]                   # [H, n, L] token rows
+    rows[:, :g] = True                                                              # global rows: every key
+    if with_reps:
+        rows = torch.cat([rows, layout_rows(lay, L, lay.kin & lay.rep_row)], dim=1)  # + R_j's rows [H, L, L]
+    real = real_keys(attention_mask, n, b, with_reps, batch_size, "cpu")            # [B, L]
+    return rows[None] & real[:, None, None, :]                                      # padding keys masked
+
+
+def dense_mask(n, attention_mask=None, *, generator=None, num_heads=1, batch_size=1, **pattern):
+    """bool [B, H, n, n], True = query i may attend key j (SPEC 2.1); the same random draw as the kernel."""
+    return dense_layout_mask(n, attention_mask, with_reps=False, generator=generator, num_heads=num_heads,
+                             batch_size=batch_size, **pattern)
+
+
+def hst_dense_mask(n, attention_mask=None, *, generator=None, num_heads=1, batch_size=1, **pattern):
+    """bool [B, H, n + m, n + m] for [X; R] (n tokens, m representatives), HST stage 1 (SPEC 2.2)."""
+    return dense_layout_mask(n, attention_mask, with_reps=True, generator=generator, num_heads=num_heads,
+                             batch_size=batch_size, **pattern)
+
+
+def mask_parts(n, *, generator=None, **pattern):
+    """The pieces of the 2.1 pattern, for drawing (head 0, no padding): window, glob, rand, bool [n, n]."""
+    p = Pattern(**pattern)
+    b, g = p.block_size, min(p.num_global, n)
+    rand_idx, rand_ok = random_blocks(n // b, generator=generator, **pattern)
+    lay = key_layout(n, p, rand_idx, rand_ok)
+    token_rows = torch.arange(n) // b
+
+    def columns(s):                                  # the keys of the columns in slice s, [n, n]
+        cols = torch.zeros_like(lay.kin)
+        cols[..., s] = lay.kin[..., s]
+        return layout_rows(lay, n, cols)[0, token_rows]
+
     pos = torch.arange(n)
     glob = (pos[:, None] < g) | (pos[None, :] < g)                                  # [n, n]
-    idx, ok = random_blocks(m, window=window, num_random=num_random, num_heads=num_heads,
-                            generator=generator)                                    # [H, m, r]
-    rand_blk = torch.zeros(num_heads, m, m, dtype=torch.bool).scatter_(-1, idx.cpu(), ok.cpu())
-    rand = rand_blk[:, blk][:, :, blk]                                              # [H, n, n]
-    return window_m, glob, rand, real
-
-
-def dense_mask(n, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0, generator=None,
-               num_heads=1, batch_size=1):
-    """bool [B, H, n, n], True = query i may attend key j; the same random draw as the kernel."""
-    win, glob, rand, real = mask_parts(n, attention_mask, block_size=block_size, window=window,
-                                       num_global=num_global, num_random=num_random, generator=generator,
-                                       num_heads=num_heads, batch_size=batch_size)
-    return (win | glob | rand)[None] & real[:, None, None, :]                      # padding keys masked
-
-
-def hst_dense_mask(n, attention_mask=None, *, block_size, window=1, num_global=1, num_random=0,
-                   generator=None, num_heads=1, batch_size=1):
-    """bool [B, H, n + m, n + m] for [X; R] (n tokens, m representatives), HST stage 1 (SPEC 2.2)."""
-    tok = dense_mask(n, attention_mask, block_size=block_size, window=window, num_global=num_global,
-                     num_random=num_random, generator=generator, num_heads=num_heads, batch_size=batch_size)
-    B, H = tok.shape[:2]
-    b, m = block_size, n // block_size
-    real = (torch.ones(B, n, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu())
-    rep_ok = real.view(B, m, b).any(-1)                                             # [B, m]
-    own = (torch.arange(n) // b)[:, None] == torch.arange(m)[None, :]               # [n, m] token in block
-    is_glob = torch.arange(n) < min(num_global, n)                                  # [n]
-    full = torch.zeros(B, H, n + m, n + m, dtype=torch.bool)
-    full[:, :, :n, :n] = tok
-    full[:, :, :n, n:] = ((own | is_glob[:, None])[None] & rep_ok[:, None, :])[:, None]     # tokens -> R
-    full[:, :, n:, :n] = ((own.T | is_glob[None, :])[None] & real[:, None, :])[:, None]     # R_j -> tokens
-    full[:, :, n:, n:] = (torch.eye(m, dtype=torch.bool)[None] & rep_ok[:, None, :])[:, None]  # R_j -> R_j
-    return full
+    return columns(lay.window), glob, columns(lay.random)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -343,9 +531,9 @@ CHARS = ".#grR"   # 0 nothing, 1 window, 2 global, 3 random, 4 representative
 def pattern_codes(n, *, block_size, window, num_global, num_random, seed, hst=False):
     """int [L, L] with codes indexing CHARS, head 0 of batch 0, no padding."""
     kw = dict(block_size=block_size, window=window, num_global=num_global, num_random=num_random)
-    win, glob, rand, _ = mask_parts(n, generator=torch.Generator().manual_seed(seed), **kw)
+    win, glob, rand = mask_parts(n, generator=torch.Generator().manual_seed(seed), **kw)
     codes = torch.zeros(n, n, dtype=torch.long)
-    codes[rand[0]] = 3
+    codes[rand] = 3
     codes[win] = 1
     codes[glob] = 2
     if not hst:

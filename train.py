@@ -111,6 +111,8 @@ def make_parser():
     g.add_argument("--window", type=int, default=None, help="w, neighbour blocks on each side")
     g.add_argument("--num-global", type=int, default=None, help="g, global tokens at the start")
     g.add_argument("--num-random", type=int, default=None, help="r, random key blocks per query block")
+    g.add_argument("--no-flex", dest="flex_attention", action="store_false", default=None,
+                   help="sparse / hst on CUDA: use the gather kernel, not FlexAttention, when there is no attention dropout")
     g.add_argument("--max-positions", type=int, default=None, help="position-table rows; larger than the checkpoint's copies it")
 
     g = ap.add_argument_group("attention dropout (AttendOut; Config fields)")
@@ -134,7 +136,7 @@ def make_parser():
 
 
 # flag name -> Config field, for the flags that mirror Config
-CONFIG_FLAGS = ("ffn_chunk", "attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
+CONFIG_FLAGS = ("ffn_chunk", "attention", "block_size", "window", "num_global", "num_random", "flex_attention", "max_positions", "attn_dropout",
                 "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lr", "gnet_tau", "gnet_dim",
                 "schedule", "layerdrop", "attn_layerdrop")
 

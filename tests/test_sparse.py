@@ -253,20 +253,23 @@ def test_chunked_fused_path_equals_dense(hst, monkeypatch):
             torch.testing.assert_close(g1, t.grad, atol=TOL, rtol=0)
 
 
-def test_gather_chunks_equals_index_select():
-    """GatherChunks (one gradient buffer for all chunks) gives index_select's values and gradients: batch 2,
-    repeated and unsorted rows, and a chunk whose output is unused (its gradient is None)."""
-    from sparse import GatherChunks
-    src = torch.randn(2, 10, 3, dtype=torch.float64, requires_grad=True)
-    idxs = [torch.tensor([4, 4, 0, 9]), torch.tensor([9, 1]), torch.tensor([2, 3, 2])]
-    outs = GatherChunks.apply(src, *idxs)
-    w = [torch.randn_like(o) for o in outs]
-    (outs[0] * w[0]).sum().add((outs[1] * w[1]).sum()).backward()      # chunk 2 unused
-    ours = src.grad.clone()
-    src.grad = None
-    refs = [src.index_select(1, i) for i in idxs]
-    for o, r in zip(outs, refs):
-        assert torch.equal(o, r)
-    (refs[0] * w[0]).sum().add((refs[1] * w[1]).sum()).backward()
-    torch.testing.assert_close(ours, src.grad, atol=1e-12, rtol=0)
-    assert torch.autograd.gradcheck(lambda s: GatherChunks.apply(s, *idxs), (src,))
+@pytest.mark.parametrize("hst", [False, True])
+def test_fused_sparse_attention_gradcheck(hst, monkeypatch):
+    """FusedSparseAttention (the no-dropout path: keeps nothing gathered, recomputes each chunk in its
+    backward, one gradient buffer per q, k, v) passes gradcheck, with one query block per chunk, global rows
+    across two chunks (g = 6 > b), padding and random blocks; its values equal the dense reference."""
+    import sparse
+    n, b, H = 16, 4, 2
+    m = n // b
+    L = n + m if hst else n
+    am = torch.tensor([[1] * n, [1] * 9 + [0] * 7])
+    kernel = hst_attention if hst else block_sparse_attention
+    kw = dict(block_size=b, window=1, num_global=6, num_random=1)
+    monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", 1)                 # one query block per chunk
+    q, k, v = qkv(2, H, L, d=3, seed=8, grad=True)
+
+    def run(q, k, v):
+        return kernel(q, k, v, am, generator=torch.Generator().manual_seed(1), **kw)
+    mask = (hst_dense_mask if hst else dense_mask)(n, am, num_heads=H, generator=torch.Generator().manual_seed(1), **kw)
+    torch.testing.assert_close(run(q, k, v), masked_attention(q, k, v, mask), atol=TOL, rtol=0)
+    assert torch.autograd.gradcheck(run, (q, k, v), fast_mode=True)

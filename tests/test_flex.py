@@ -1,0 +1,60 @@
+"""The FlexAttention path (sparse.flex_stage1): its output equals the gather kernel's and the dense reference's
+on the CPU, forward only (torch refuses FlexAttention's backward on the CPU; the gradients are compared on a
+GPU by scripts/gpu_check.sh, tests/test_cuda.py). Global rows, padding, random blocks and representatives.
+Run: python -m pytest tests/test_flex.py -q
+"""
+import pytest
+import torch
+
+from sparse import block_sparse_attention, dense_mask, hst_attention, hst_dense_mask
+from tests.test_sparse import masked_attention, padding, qkv
+
+
+@pytest.mark.parametrize("hst", [False, True])
+@pytest.mark.parametrize("n,b,w,g,r", [(32, 4, 1, 2, 1), (48, 8, 0, 3, 2), (32, 4, 2, 0, 0), (64, 4, 1, 5, 3)])
+def test_flex_equals_gather_and_dense(hst, n, b, w, g, r):
+    am = padding(n, b)
+    H, m = 2, n // b
+    L = n + m if hst else n
+    q, k, v = (t.float() for t in qkv(am.shape[0], H, L, d=16, seed=n + g))
+    kernel, mk = (hst_attention, hst_dense_mask) if hst else (block_sparse_attention, dense_mask)
+    kw = dict(block_size=b, window=w, num_global=g, num_random=r)
+
+    def gen():
+        return torch.Generator().manual_seed(3)
+    flex = kernel(q, k, v, am, generator=gen(), flex=True, **kw)
+    gather = kernel(q, k, v, am, generator=gen(), **kw)
+    ref = masked_attention(q, k, v, mk(n, am, num_heads=H, generator=gen(), **kw))
+    torch.testing.assert_close(flex, gather, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_is_not_used_with_dropout(monkeypatch):
+    """Attention dropout needs the probabilities: flex=True then falls back to the gather kernel."""
+    import sparse
+    monkeypatch.setattr(sparse, "flex_stage1", lambda *a, **k: pytest.fail("flex used with dropout"))
+    q, k, v = qkv(1, 2, 32)
+    block_sparse_attention(q, k, v, block_size=4, dropout_p=0.1, flex=True)
+
+
+def test_no_flex_flag_reaches_the_config(tmp_path, capfd):
+    """train.py --no-flex stores flex_attention=False (the default, True, picks FlexAttention on CUDA only)."""
+    from model import load_pretrained
+    from tests.test_train import run_main, tsv_args, write_zebra_tsv
+    folder = write_zebra_tsv(str(tmp_path / "data"), n_train=16, n_dev=4)
+    flags = ["--attention", "sparse", "--block-size", "4", "--max-steps", "1", "--batch-size", "8"]
+    for extra, want in (([], True), (["--no-flex"], False)):
+        out = tmp_path / f"run{want}"
+        code, _, err = run_main(tsv_args(folder, out) + flags + extra, capfd)
+        assert code == 0, err
+        assert load_pretrained(str(out / "ckpt_last.pt")).cfg.flex_attention is want
+
+
+def test_model_uses_flex_only_on_cuda(monkeypatch):
+    """On the CPU the model never takes the FlexAttention path (eager flex materialises every score)."""
+    import sparse
+    from tests.test_precision import tiny_batch, tiny_model
+    monkeypatch.setattr(sparse, "flex_stage1", lambda *a, **k: pytest.fail("flex used on the CPU"))
+    model = tiny_model("sparse", "none", "cls")
+    b = tiny_batch("cls")
+    model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
