@@ -1,6 +1,6 @@
 """Block-sparse attention (BigBird-style) and the HST stage-1 kernel, in plain PyTorch.
 
-Idea (SPEC 2.1, 2.2): cut the sequence into blocks of b tokens; query block i attends only to the key
+Idea (methods.md §2.1, 2.2): cut the sequence into blocks of b tokens; query block i attends only to the key
 blocks i-w..i+w, r random blocks and the first g (global) tokens, which themselves attend to everything, so a
 layer costs O(n). HST adds one representative R_j per block that reads its block (stage 1, here).
 
@@ -13,7 +13,7 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
   The keys are gathered by token index (key_layout, one index_select for k, v and pair_scores).
   - window blocks that fall off either end are clamped onto an existing block and masked;
   - a global token is attended through its global column only: wherever it also lies in a window or
-    random block it is masked there, so no key is counted twice (SPEC 2.1);
+    random block it is masked there, so no key is counted twice (methods.md §2.1);
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
   Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
@@ -23,7 +23,7 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
   FlexAttention (flex=True, model.Config.flex_attention on CUDA): without dropout, stage 1 can also run
   through torch's FlexAttention with a BlockMask made from the same layout (flex_stage1); the gather kernel
   stays the reference and the path for dropout and AttendOut.
-  drop_fn (CONTRACT) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
+  drop_fn (the hook contract, model.Attention and methods.md §3.1) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
   global rows [B, H, g, L]. Padding masks keys only (as dense).
 
 How to add a pattern (e.g. a dilated window). The layout is built in ONE place, key_layout (it returns
@@ -75,7 +75,7 @@ def window_matrix(m, p, device=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Random blocks (SPEC 2.1)
+# Random blocks (methods.md §2.1)
 
 def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pattern):
     """Draw `num_random` key blocks per (head, query block), uniformly among the blocks outside the window.
@@ -126,7 +126,7 @@ def key_layout(n, p, rand_idx, rand_ok, with_reps=False):
     """The keys of every query block, K = (nw + r) b + g (+ 1 with representatives) columns, nw = 2w + 1.
 
     Window blocks off either end are clamped (kin False); a global token inside a window or random block has
-    kin False there, it is attended through its global column (SPEC 2.1: never counted twice)."""
+    kin False there, it is attended through its global column (methods.md §2.1: never counted twice)."""
     b = p.block_size
     m, g = n // b, min(p.num_global, n)
     H, r = rand_idx.shape[0], rand_idx.shape[-1]
@@ -140,7 +140,7 @@ def key_layout(n, p, rand_idx, rand_ok, with_reps=False):
     tok = blocks[..., None] * b + torch.arange(b, device=dev)                          # [H, m, nw + r, b]
     kidx = [tok.flatten(2), torch.arange(g, device=dev).expand(H, m, g)]              # blocks, globals
     kin = [(blocks_ok[..., None] & (tok >= g)).flatten(2), torch.ones(H, m, g, dtype=torch.bool, device=dev)]
-    if with_reps:                                                                     # R_i column (SPEC 2.2)
+    if with_reps:                                                                     # R_i column (methods.md §2.2)
         kidx.append((n + i).view(1, m, 1).expand(H, m, 1))
         kin.append(torch.ones(H, m, 1, dtype=torch.bool, device=dev))
     kidx, kin = torch.cat(kidx, dim=-1), torch.cat(kin, dim=-1)                       # [H, m, K]
@@ -182,7 +182,7 @@ def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores, real_rows=None):
     real_rows (bool, broadcastable to [.., Q, 1]): which query rows are real tokens; drop_fn counts only
     real (query, key) pairs in its statistics."""
     invalid = ~valid
-    s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))   # [.., Q, K]  SPEC 1
+    s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))   # [.., Q, K]  methods.md §1
     # Mask with a finite fill (no NaN), in place and outside autograd: softmax already gives a masked score
     # zero gradient (its probability is exactly 0), and rows with no valid key are zeroed at the output
     # below, so their gradient is 0 too. Saves two full passes over the scores in the backward.
@@ -191,7 +191,7 @@ def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores, real_rows=None):
     A = s.softmax(dim=-1)                                                        # [.., Q, K]
     if drop_fn is not None:
         real_pairs = valid if real_rows is None else valid & real_rows
-        A = drop_fn(A.masked_fill(invalid, 0.0), real_pairs, pair_scores)  # AttendOut hook (CONTRACT), own layout
+        A = drop_fn(A.masked_fill(invalid, 0.0), real_pairs, pair_scores)  # AttendOut hook, in its own layout
     elif dropout_p > 0:
         A = F.dropout(A, dropout_p, training=True)
     out = torch.matmul(A, v)                                                     # [.., Q, d]
@@ -206,7 +206,7 @@ def _attend_fused(q, k, v, valid):
     # additive mask with a finite fill (no NaN): a row with no valid key gets a uniform mean, zeroed below
     bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
     bias.masked_fill_(~valid, torch.finfo(q.dtype).min)                            # [N, M, Q or 1, K]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)                  # [N, M, Q, d]  SPEC 1
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)                  # [N, M, Q, d]  methods.md §1
     return out.masked_fill(~valid.any(dim=-1, keepdim=True), 0.0)
 
 
@@ -260,7 +260,7 @@ class FusedSparseAttention(torch.autograd.Function):
             oc = _attend_chunk(_chunk_rows(q, n, b, a, ok.shape[2]), kf.index_select(1, idx), vf.index_select(1, idx),
                                ok)
             _put_chunk_rows(out, oc, n, b, a)
-        if g > 0:                            # SPEC 2.1: global rows attend to every key; replace their block rows
+        if g > 0:                            # methods.md §2.1: global rows attend to every key; replace their block rows
             out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
         return out
 
@@ -372,7 +372,7 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
     out = _attend(queries(q), gather_keys(k, flat, m), gather_keys(v, flat, m), valid, dropout_p, drop_fn,
                   pair_local, real_rows)                                            # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                                  # [B, H, n, d]
-    if g > 0:  # SPEC 2.1: global tokens attend to every token (and, HST, every representative)
+    if g > 0:  # methods.md §2.1: global tokens attend to every token (and, HST, every representative)
         def pair_global(a, c):                       # [B, H, g, L]
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
 
@@ -386,9 +386,9 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
 
 def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, drop_fn=None,
                            flex=False, **pattern):
-    """SPEC 2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size;
+    """methods.md §2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size;
     pattern: the Pattern keywords (block_size, window=1, num_global=1, num_random=0).
-    drop_fn (CONTRACT) is called twice: on the block layout A [B, H, m, b, K] and on the global rows
+    drop_fn (the AttendOut hook, methods.md §3.1) is called twice: on the block layout A [B, H, m, b, K] and on the global rows
     [B, H, g, n]. flex=True: without dropout, run through FlexAttention (flex_stage1). Returns [B, H, n, d_h]."""
     if flex and drop_fn is None and dropout_p == 0:
         return flex_stage1(q, k, v, attention_mask, with_reps=False, generator=generator, **pattern)
@@ -397,7 +397,7 @@ def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, drop
 
 
 def hst_attention(q, k, v, attention_mask, *, generator=None, dropout_p=0.0, drop_fn=None, flex=False, **pattern):
-    """SPEC 2.2 stage 1 (reconstructed). q, k, v [B, H, n + m, d_h]: n tokens then m representatives.
+    """methods.md §2.2 stage 1 (reconstructed). q, k, v [B, H, n + m, d_h]: n tokens then m representatives.
     Token in block j: its 2.1 neighbourhood + R_j; global token: all tokens and representatives;
     R_j: the tokens of block j, the global tokens and R_j. R_j is valid (as a key) iff block j has a real
     token. The block layout is [B, H, m, b + 1, K + 1]: R_j is query row b and key column K of block j.
@@ -493,13 +493,13 @@ def dense_layout_mask(n, attention_mask, *, with_reps, generator, num_heads, bat
 
 
 def dense_mask(n, attention_mask=None, *, generator=None, num_heads=1, batch_size=1, **pattern):
-    """bool [B, H, n, n], True = query i may attend key j (SPEC 2.1); the same random draw as the kernel."""
+    """bool [B, H, n, n], True = query i may attend key j (methods.md §2.1); the same random draw as the kernel."""
     return dense_layout_mask(n, attention_mask, with_reps=False, generator=generator, num_heads=num_heads,
                              batch_size=batch_size, **pattern)
 
 
 def hst_dense_mask(n, attention_mask=None, *, generator=None, num_heads=1, batch_size=1, **pattern):
-    """bool [B, H, n + m, n + m] for [X; R] (n tokens, m representatives), HST stage 1 (SPEC 2.2)."""
+    """bool [B, H, n + m, n + m] for [X; R] (n tokens, m representatives), HST stage 1 (methods.md §2.2)."""
     return dense_layout_mask(n, attention_mask, with_reps=True, generator=generator, num_heads=num_heads,
                              batch_size=batch_size, **pattern)
 
@@ -576,7 +576,7 @@ def save_png(codes, path, title):
 
 
 def main():
-    p = argparse.ArgumentParser(description="Draw the block-sparse and HST attention patterns (SPEC 2.1, 2.2).")
+    p = argparse.ArgumentParser(description="Draw the block-sparse and HST attention patterns (methods.md §2.1, 2.2).")
     p.add_argument("--n", type=int, default=32)
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--window", type=int, default=1)
@@ -596,8 +596,8 @@ def main():
     print(draw_text(hst, a.n))
     os.makedirs(a.out_dir, exist_ok=True)
     figs = [(torch.ones(a.n, a.n, dtype=torch.long), "attention_dense.png", "dense"),
-            (sparse, "attention_sparse.png", "block-sparse (SPEC 2.1)"),
-            (hst, "attention_hst.png", "HST stage 1 over [X; R] (SPEC 2.2)")]
+            (sparse, "attention_sparse.png", "block-sparse (methods.md §2.1)"),
+            (hst, "attention_hst.png", "HST stage 1 over [X; R] (methods.md §2.2)")]
     for codes, name, title in figs:
         path = os.path.join(a.out_dir, name)
         if save_png(codes, path, title):
