@@ -23,8 +23,9 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
   FlexAttention (flex=True, model.Config.flex_attention on CUDA): without dropout, stage 1 can also run
   through torch's FlexAttention with a BlockMask made from the same layout (flex_stage1); the gather kernel
   stays the reference and the path for dropout and AttendOut.
-  drop_fn (the hook contract, model.Attention and methods.md §3.1) sees the block layout [B, H, m, b, K] (HST: [B, H, m, b + 1, K + 1]) and then the
-  global rows [B, H, g, L]. Padding masks keys only (as dense).
+  drop_fn (the AttendOut hook; model.Attention, methods.md §3.1) sees the block layout [B, H, m, b, K]
+  (HST: [B, H, m, b + 1, K + 1]) and then the global rows [B, H, g, L], with valid marking the real
+  (query, key) pairs the pattern allows. Padding masks keys in the attention itself (as dense).
 
 How to add a pattern (e.g. a dilated window). The layout is built in ONE place, key_layout (it returns
 the columns and the slices window / own / random / glob / rep); the kernel, the FlexAttention path and the
