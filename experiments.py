@@ -370,7 +370,8 @@ def main():
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     ap.add_argument("--out", default=None, help="where the runs go (default out/experiments, out/pretrained-*)")
-    ap.add_argument("--data-root", default=os.path.join("..", "shared", "data"), help="text sets: folder of sst2/, mr/")
+    ap.add_argument("--data-root", default=os.path.join("data", "text"),
+                    help="pretrained-*: a folder with sst2/ and mr/, each train.tsv and dev.tsv as label<TAB>sentence")
     ap.add_argument("--datasets", nargs="+", default=["sst2", "mr"])
     ap.add_argument("--init", default=None, help="pretrained-*: a converted checkpoint (python model.py convert)")
     ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),

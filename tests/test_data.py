@@ -1,7 +1,7 @@
 """Tests for data.py: tokenizers equal transformers' own, GLUE/generic readers, metrics by hand, the LRA
 ListOps generator against an independent evaluator, MLM masking rates and deterministic batching.
 
-Run: cd /work/main && python -m pytest tests/test_data.py -q
+Run: python -m pytest tests/test_data.py -q
 All fixtures (vocabularies, SentencePiece models, GLUE files) are written into tmp_path by the tests.
 """
 
