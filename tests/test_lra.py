@@ -13,7 +13,7 @@ import torch
 
 import data
 import lra
-import train
+from test_train import run_main
 from model import Config, Model, PairHead
 
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
@@ -212,14 +212,6 @@ def test_pair_head_shapes_and_pairing():
 # -----------------------------------------------------------------------------
 # end to end through train.py
 
-def run(argv, capfd):
-    try:
-        train.main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 MAX_LEN = {"lra-text": "64", "lra-retrieval": "48", "lra-image": "1025", "lra-pathfinder": "1025"}
@@ -233,7 +225,7 @@ def test_every_task_trains_end_to_end(folders, task, attention, tmp_path, capfd)
             "--max-len", MAX_LEN[task], "--attention", attention, "--block-size", "16", "--lr", "1e-3", *TINY]
     if attention == "hst":
         argv += ["--sar", "1.0"]                                           # SAR on the classification tasks
-    code, _, err = run(argv, capfd)
+    code, _, err = run_main(argv, capfd)
     assert code == 0, err
     final = json.load(open(out / "final.json"))
     assert final["steps"] == 2 and 0.0 <= final["dev"]["dev"]["acc"] <= 1.0
@@ -247,9 +239,8 @@ def test_every_task_trains_end_to_end(folders, task, attention, tmp_path, capfd)
 
 def test_bad_row_through_train_is_one_line(tmp_path, capfd):
     write_aan(str(tmp_path / "aan"), bad_row="x\tA\tB\tt1\tt2\n")
-    code, _, err = run(["--task", "lra-retrieval", "--data", str(tmp_path / "aan"), "--out", str(tmp_path / "o"),
+    code, _, lines = run_main(["--task", "lra-retrieval", "--data", str(tmp_path / "aan"), "--out", str(tmp_path / "o"),
                         "--max-steps", "1", *TINY], capfd)
-    lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and lines == [f"error: {tmp_path / 'aan' / 'new_aan_pairs.train.tsv'}:9: label 'x' is not 0 or 1"]
 
 
