@@ -289,22 +289,30 @@ def bin_centers(device):
     return -Z_RANGE + width * (torch.arange(Z_BINS, device=device, dtype=torch.float64) + 0.5)   # [Z_BINS]
 
 
-def shift_for_rate(hist, target):
-    """The logit shift eps with mean sigmoid(Z + eps) = target over the pairs counted in hist [Z_BINS].
-    The mean is increasing in eps: three rounds of a 64-step grid search, each round in the bracket the last
-    one found (precision 2 SHIFT_MAX / 64^3), a few vectorised ops that stay on hist's device (no sync)."""
-    p = (hist / hist.sum().clamp_min(1.0)).double()[:, None]                            # [Z_BINS, 1]
-    centers = bin_centers(hist.device)[:, None]                                         # [Z_BINS, 1]
-    steps = torch.arange(65, device=hist.device, dtype=torch.float64) / 64              # [65]
-    lo = torch.full((), -SHIFT_MAX, dtype=torch.float64, device=hist.device)
-    hi = torch.full((), SHIFT_MAX, dtype=torch.float64, device=hist.device)
-    want = target.reshape(1).double()
+def rates_after_shift(hists, shifts):
+    """Each histogram's mean sigmoid(Z + shift), for every shift. hists [L, Z_BINS] (pair counts per bin),
+    shifts [S] -> [L, S]."""
+    p = hists.double() / hists.double().sum(-1, keepdim=True).clamp_min(1.0)           # [L, Z_BINS]
+    centers = bin_centers(hists.device)[:, None]                                        # [Z_BINS, 1]
+    return torch.einsum("lz,zs->ls", p, torch.sigmoid(centers + shifts.double()))       # [L, S]
+
+
+def shift_for_rate(hists, target):
+    """The logit shift eps with mean_l (mean sigmoid(Z + eps) over hists[l]) = target. hists [L, Z_BINS] or
+    [Z_BINS]. The mean is increasing in eps: three rounds of a 64-step grid search, each in the bracket the last
+    one found (precision 2 SHIFT_MAX / 64^3); a few vectorised ops that stay on hists' device (no sync)."""
+    hists = hists.reshape(-1, Z_BINS)
+    dev = hists.device
+    steps = torch.arange(65, device=dev, dtype=torch.float64) / 64                      # [65]
+    lo = torch.full((1,), -SHIFT_MAX, dtype=torch.float64, device=dev)
+    hi = torch.full((1,), SHIFT_MAX, dtype=torch.float64, device=dev)
+    want = torch.as_tensor(target, dtype=torch.float64, device=dev).reshape(1)
     for _ in range(3):
         grid = lo + (hi - lo) * steps                                                   # [65] candidate shifts
-        rates = (p * torch.sigmoid(centers + grid)).sum(0)                              # [65], increasing
+        rates = rates_after_shift(hists, grid).mean(0)                                  # [65], increasing
         i = torch.searchsorted(rates, want).clamp(1, 64)                                # first rate >= target
-        lo, hi = grid[i - 1][0], grid[i][0]
-    return (0.5 * (lo + hi)).float()
+        lo, hi = grid[i - 1], grid[i]
+    return (0.5 * (lo + hi)).float().reshape(())
 
 
 def logit_histogram(Z, valid):
@@ -388,29 +396,12 @@ def attendout_modules(modules):
     return [m for m in modules if isinstance(m, AttendOut)]
 
 
-def budget_shift(hists, rho):
-    """The common shift delta with mean_l E_l[sigmoid(Z + delta)] = rho, E_l over layer l's histogram of logits
-    hists [L, Z_BINS] (pair counts per bin); bisection, the mean being increasing in delta.
-    Returns (delta, the layers' rates at delta [L])."""
-    p = hists.double() / hists.double().sum(-1, keepdim=True)                           # [L, Z_BINS]
-    centers = bin_centers(hists.device)
-
-    def rates(delta):
-        return (p * torch.sigmoid(centers + delta)).sum(-1)                             # [L]
-    lo, hi = -SHIFT_MAX, SHIFT_MAX
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if rates(mid).mean().item() < rho else (lo, mid)
-    delta = 0.5 * (lo + hi)
-    return delta, rates(delta)
-
-
 @torch.no_grad()
 def hold_budget(modules, all_reduce=None):
     """methods.md §3.1 budget (reconstructed): the mean drop rate over layers is rho in every training forward.
 
     After every optimizer step, from the histograms of each layer's own logits Z in the step's forward:
-        delta : mean_l E_l[sigmoid(Z + delta)] = rho        one common shift for all layers
+        delta : mean_l E_l[sigmoid(Z + delta)] = rho        one common shift for all layers (shift_for_rate)
         t_l   = E_l[sigmoid(Z + delta)]                      layer l's target rate; mean_l t_l = rho
         beta_l <- beta_l + delta                             the G-Nets' own level follows
     In the next training forward, layer l shifts its logits by the eps_l that makes its mean rate over the real
@@ -436,7 +427,8 @@ def hold_budget(modules, all_reduce=None):
     if not bool(ran.any()):
         return None
     mean = (stats[ran, 0] / stats[ran, 1]).mean().item()                              # m, as applied
-    delta, targets = budget_shift(stats[ran, 2:], mods[0].rho)
+    delta = shift_for_rate(stats[ran, 2:], mods[0].rho).item()                         # one shift for all
+    targets = rates_after_shift(stats[ran, 2:], torch.tensor([delta]))[:, 0]           # t_l, mean rho
     for m, t in zip([m for m, r in zip(mods, ran.tolist()) if r], targets.tolist()):
         m.gnet.target.fill_(t)
     for m in mods:

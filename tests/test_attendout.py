@@ -217,7 +217,7 @@ def test_budget_step_lands_on_rho():
     # the budget holds in the forward itself, not one step late: a large jump of the G-Nets' projections after
     # hold_budget (AdamW can move them that much in one step) leaves every layer at its target, the mean at rho
     targets = [m.gnet.target.item() for m in mods]
-    assert sum(targets) / 3 == pytest.approx(0.4, abs=1e-6) and max(targets) - min(targets) > 0.05
+    assert sum(targets) / 3 == pytest.approx(0.4, abs=1e-5) and max(targets) - min(targets) > 0.05
     with torch.no_grad():
         for m in mods:
             m.gnet.weight.mul_(2.0)
@@ -238,12 +238,12 @@ def test_budget_step_lands_on_rho():
 def test_budget_shift_solves_the_mean_of_a_histogram():
     hist = torch.zeros(2, ao.Z_BINS, dtype=torch.float64)
     hist[0, 10], hist[0, 200], hist[1, 128] = 5, 5, 1          # a spread layer and a flat one
-    delta, _ = ao.budget_shift(hist, 0.2)
+    delta = ao.shift_for_rate(hist, 0.2).item()
     width = 2 * ao.Z_RANGE / ao.Z_BINS
     c = lambda k: -ao.Z_RANGE + width * (k + 0.5)
     sig = lambda z: 1 / (1 + math.exp(-z))
     got = (0.5 * (sig(c(10) + delta) + sig(c(200) + delta)) + sig(c(128) + delta)) / 2
-    assert got == pytest.approx(0.2, abs=1e-9)
+    assert got == pytest.approx(0.2, abs=1e-5)                   # the grid search's precision: 32 / 64^3
 
 
 def test_no_state_outlives_a_forward():
