@@ -37,6 +37,7 @@ GNET = "gnet"        # name of the G-Net submodule: export_without_gnet drops ke
 P0_MIN = 1e-4        # attn_dropout_p = 0 would make beta = logit(0) = -inf; start from this rate instead
 U_EPS = 1e-6         # u ~ U(0,1) is clamped to [U_EPS, 1 - U_EPS] so log u and log(1-u) are finite
 KEEP_MIN = 1e-4      # 1 - pi is clamped to >= KEEP_MIN, so 1/(1-pi) <= 1e4 (finite, also in fp16)
+PAIR_MAX = 8.0       # the G-Net's pair term is soft-bounded to +-PAIR_MAX logits (see GNet.logits)
 Z_RANGE = 32.0       # the budget's histogram of drop logits Z covers [-Z_RANGE, Z_RANGE] (clamped beyond) ...
 Z_BINS = 512         # ... in this many bins (0.125 wide): enough to predict the mean rate after a shift
 SHIFT_MAX = 16.0     # the budget's shifts stay within +-SHIFT_MAX, so clamped logits stay saturated after them
@@ -214,21 +215,20 @@ class GNet(nn.Module):
             self.beta.fill_(math.log(self.p0 / (1.0 - self.p0)))
 
     def features(self, x):
-        """x [B, L, d] -> (a, c), each [B, H, L, d_g + 1], such that a_i . c_j = Z_ij.
-
-        Z_ij = gq_i . gk_j / sqrt(d_g) + beta  (methods.md §3.1) = [gq_i / sqrt(d_g), 1] . [gk_j, beta]:
-        the scale and beta are folded into the small features, so the kernel's pair_scores returns Z
-        directly and no extra pass over the [B, H, L, L] logits is needed (neither forward nor backward).
-        """
+        """x [B, L, d] -> (a, c), each [B, H, L, d_g], such that a_i . c_j = gq_i . gk_j / sqrt(d_g).
+        The scale is folded into a, so the kernel's pair_scores(a, c) gives the pair term directly."""
         B, L, _ = x.shape
         H, dg = self.num_heads, self.gnet_dim
         g = F.linear(x.detach(), self.weight, self.bias)         # [B, L, 2*H*d_g]  X is detached (methods.md §3.1)
         g = g.view(B, L, 2, H, dg).permute(2, 0, 3, 1, 4)        # [2, B, H, L, d_g]
-        gq, gk = g[0] * (1.0 / math.sqrt(dg)), g[1]              # [B, H, L, d_g] each
-        ones = gq.new_ones(B, H, L, 1)
-        a = torch.cat([gq, ones], dim=-1)                        # [B, H, L, d_g + 1]
-        c = torch.cat([gk, self.beta.to(gk.dtype).expand(B, H, L, 1)], dim=-1)  # [B, H, L, d_g + 1]
-        return a, c
+        return g[0] * (1.0 / math.sqrt(dg)), g[1]                # a = gq / sqrt(d_g), c = gk: [B, H, L, d_g]
+
+    def logits(self, pair):
+        """Z = beta + PAIR_MAX tanh(pair / PAIR_MAX), pair = gq gk^T / sqrt(d_g) in any layout (methods.md §3.1).
+        (reconstructed) The soft bound keeps every pair within +-PAIR_MAX logits of the layer's beta: the
+        adversarial G-Net cannot push its logits to +-infinity (a deterministic mask), and the budget can always
+        move a layer's rate by shifting beta. Near 0 it is the plain pair term."""
+        return self.beta + PAIR_MAX * torch.tanh(pair * (1.0 / PAIR_MAX))
 
 
 class RelaxedDrop(torch.autograd.Function):
@@ -354,12 +354,12 @@ class AttendOut(AttnDropout):
 
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
-        a, c = self.gnet.features(x)  # [B, H, L, d_g + 1] each, computed once per forward
+        a, c = self.gnet.features(x)  # [B, H, L, d_g] each, computed once per forward
 
         def drop_fn(A, valid, pair_scores):
             # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid: bool, broadcastable to A, True for
             # the real (query, key) pairs the pattern allows (padding rows and columns are False)
-            Z = pair_scores(a, c).float()        # methods.md §3.1: Z = gq gk^T / sqrt(d_g) + beta, A's layout
+            Z = self.gnet.logits(pair_scores(a, c).float())  # methods.md §3.1: Z = beta + bounded gq gk^T, A's layout
             with torch.no_grad():
                 h = logit_histogram(Z, valid)    # the G-Net's own logits, before the budget's shift
                 target = self.gnet.target        # the budget (methods.md §3.1): shift the logits so that their

@@ -78,7 +78,7 @@ def test_mask_binary_and_padding_zero():
     s = (q @ k.transpose(-1, -2) / math.sqrt(DH)).masked_fill(~valid, torch.finfo(q.dtype).min)
     A = s.softmax(-1)
     a, c = mod.gnet.features(x)
-    pi = torch.sigmoid(a @ c.transpose(-1, -2))
+    pi = torch.sigmoid(mod.gnet.logits(a @ c.transpose(-1, -2)))
     A2 = mod.hook(x)(A, valid, lambda a, c: a @ c.transpose(-1, -2))
     validx = valid.expand_as(A)
     kmask = (A2 / A * (1 - pi))[validx]
@@ -227,7 +227,7 @@ def test_budget_step_lands_on_rho():
     # the histogram counts the real pairs by their logit
     m = mods[0]
     a, c = m.gnet.features(x)
-    Z = a @ c.transpose(-1, -2)
+    Z = m.gnet.logits(a @ c.transpose(-1, -2))
     real = (mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]).expand_as(Z)
     assert m.z_hist.sum().item() == real.sum().item()
     width = 2 * ao.Z_RANGE / ao.Z_BINS
@@ -378,3 +378,19 @@ def test_padding_counts_for_nothing(attention):
     assert plain == padded
     if attention == "dense":   # every real pair: H * (8 * 8 + 6 * 6) per layer
         assert plain == [2 * (64 + 36)] * 2
+
+
+def test_gnet_logits_stay_within_the_bound_of_beta():
+    # however large the G-Net's projections grow, every logit stays within PAIR_MAX of the layer's beta, so the
+    # mask never becomes deterministic and the budget's shift of beta always moves the rate
+    x, q, k, v, mask = inputs()
+    m = ao.make_attn_dropout(make_config(), 0)
+    with torch.no_grad():
+        m.gnet.weight.normal_(std=100.0)
+    a, c = m.gnet.features(x)
+    pair = a @ c.transpose(-1, -2)
+    Z = m.gnet.logits(pair)
+    beta = m.gnet.beta.item()
+    assert pair.abs().max() > 1e3 and (Z - beta).abs().max() <= ao.PAIR_MAX
+    small = m.gnet.logits(torch.tensor(0.01))                 # near 0 it is the plain pair term
+    assert (small - beta).item() == pytest.approx(0.01, rel=1e-4)
