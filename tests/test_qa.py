@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import data
 import qa
-import train
 from model import Config, Model, SpanHead
+from test_train import run_main
 
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
 
@@ -210,12 +210,7 @@ def test_squad_trains_end_to_end(attention, tmp_path, capfd):
             *TINY]
     if attention == "hst":
         argv += ["--sar", "1.0", "--eval-shift", "1"]
-    try:
-        train.main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    _, err = capfd.readouterr()
+    code, _, err = run_main(argv, capfd)
     assert code == 0, err
     final = json.load(open(out / "final.json"))
     dev = final["dev"]["dev"]
@@ -234,12 +229,8 @@ def test_answer_outside_context_through_train(tmp_path, capfd):
         text = f.read().replace('"answer_start": ', '"answer_start": 1000', 1)
     with open(os.path.join(folder, "dev.json"), "w") as f:
         f.write(text)
-    try:
-        train.main(["--task", "squad", "--data", folder, "--out", str(tmp_path / "o"), "--vocab-size", "60", *TINY])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    lines = [line for line in capfd.readouterr()[1].splitlines() if line.strip()]
+    code, _, lines = run_main(["--task", "squad", "--data", folder, "--out", str(tmp_path / "o"), "--vocab-size", "60",
+                               *TINY], capfd)
     assert code == 2 and len(lines) == 1
     # line 1: the header, line 2: the first context, line 3: its question
     assert re.fullmatch(re.escape(f"error: {os.path.join(folder, 'dev.json')}:3: question 'dev0': answer ")
