@@ -224,72 +224,108 @@ def _rows(c):
     return c.reshape(B, H * L, d)
 
 
-def _attend_chunk(qc, kc, vc, ok):
-    """One chunk of query blocks by _attend_fused. qc [B, H, mc, bq, d]; kc, vc [B, K H mc, d] (key-major
-    gathers); ok [B, H, mc, bq or 1, K]. Returns [B, H, mc, bq, d]."""
-    B, H, mc, bq, d = qc.shape
-    K = ok.shape[-1]
+def _mask_bias(ok, dtype):
+    """bool mask -> additive bias with a finite fill (no NaN; a row with no valid key is zeroed after)."""
+    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)
 
-    def heads_first(c):      # [B, H mc, K, d]; key-major: SDPA's key gradients come back in the gather's layout
-        return c.view(B, K, H * mc, d).transpose(1, 2)
-    out = _attend_fused(qc.reshape(B, H * mc, bq, d), heads_first(kc), heads_first(vc), ok.flatten(1, 2))
-    return out.view(B, H, mc, bq, d)
+
+def _heads_first(c, B, K, Hm):
+    """A key-major gather [B, K Hm, d] -> [B, Hm, K, d] (a view: SDPA's key gradients come back in the
+    gather's layout)."""
+    return c.view(B, K, Hm, c.shape[-1]).transpose(1, 2)
+
+
+# The fused attention of one chunk, forward and backward. On the CPU we call the two ATen ops behind
+# F.scaled_dot_product_attention directly: the forward also returns each row's log-sum-exp, and with it (and
+# the output) the backward needs no forward pass of its own. Elsewhere (CUDA with --no-flex, ...) the backward
+# recomputes the chunk's forward through F.scaled_dot_product_attention and differentiates that.
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _chunk_forward(q, k, v, bias):
+    """q [N, M, Q, d], k/v [N, M, K, d], bias [N, M, Q or 1, K] -> (out [N, M, Q, d], lse [N, M, Q] or None)."""
+    if q.device.type == "cpu":
+        return _CPU_FLASH(q, k, v, attn_mask=bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias), None
+
+
+def _chunk_backward(grad, q, k, v, bias, out, lse):
+    """Gradients (dq, dk, dv) of _chunk_forward's out, given its out and lse."""
+    if lse is not None:
+        return _CPU_FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, False, attn_mask=bias)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)                 # recomputed
+    return torch.autograd.grad(o, (q, k, v), grad)
 
 
 class FusedSparseAttention(torch.autograd.Function):
     """Stage 1 without dropout, all of it: the block layout a chunk of `step` query blocks at a time (gather
-    the chunk's keys and values, _attend_fused), then the g global rows densely (_attend_fused over all keys).
-    q, k, v [B, H, L, d]; idxs: one long [K H mc] per chunk (flat rows h L + l, key-major); oks: one bool
-    [B, H, mc, bq or 1, K] per chunk; real [B, L]. Returns [B, H, L, d].
+    the chunk's keys and values, fused attention), then the g global rows densely (_attend_fused over all
+    keys). q, k, v [B, H, L, d]; idxs: one long [K H mc] per chunk (flat rows h L + l, key-major); oks: one
+    bool [B, H, mc, bq or 1, K] per chunk; real [B, L]. Returns [B, H, L, d].
 
     Memory: the gathered keys and values are K = (2w + 1 + r) b + g (+ 1) rows per query block, K / b times
     the size of k and v, so nothing gathered is kept for the backward: it saves q, k, v (the layer keeps them
-    anyway), the indices and the masks. The backward gathers each chunk again, recomputes its attention (as
-    a fused kernel's backward recomputes its scores tile by tile) and adds every chunk's gradients into ONE
+    anyway), its own output (which the layer's output projection keeps anyway), each row's log-sum-exp (one
+    number per row), the indices and the masks. The backward gathers each chunk's keys and values again and
+    runs the fused kernel's backward on them (_chunk_backward), adding every chunk's gradients into ONE
     buffer per q, k, v (autograd's own index_select backward would zero-fill a full-size gradient per chunk,
-    O(n^2) in all). So memory is O(n d), like dense fused attention's, and time is linear in n."""
+    O(n^2) in all). So memory is O(n d), like dense fused attention's, and time is linear in n.
+
+    Two kinds of rows get no gradient from their chunk: the g global rows (their block results are replaced)
+    and rows with no valid key (set to 0). Their output gradient is zeroed before the kernel's backward; with
+    dO = 0 a row adds nothing to dq, dk or dv, whatever out holds there (the global result, or 0)."""
 
     @staticmethod
     def forward(ctx, q, k, v, n, b, g, step, real, idxs, oks):
-        ctx.save_for_backward(q, k, v, real, *idxs, *oks)
-        ctx.sizes = (n, b, g, step, len(idxs))
         B, H, L, d = q.shape     # out [B, H, L, d] laid out as [B, L, H, d]: the layer's merge of heads is a view
         out = torch.empty(B, L, H, d, dtype=q.dtype, device=q.device).transpose(1, 2)
         kf, vf = _rows(k), _rows(v)                                                 # [B, H L, d]
+        lses = []
         for i, (idx, ok) in enumerate(zip(idxs, oks)):
-            a = i * step
-            oc = _attend_chunk(_chunk_rows(q, n, b, a, ok.shape[2]), kf.index_select(1, idx), vf.index_select(1, idx),
-                               ok)
-            _put_chunk_rows(out, oc, n, b, a)
+            mc, K = ok.shape[2], ok.shape[-1]
+            qc = _chunk_rows(q, n, b, i * step, mc).reshape(B, H * mc, -1, d)        # [B, H mc, bq, d]
+            oc, lse = _chunk_forward(qc, _heads_first(kf.index_select(1, idx), B, K, H * mc),
+                                     _heads_first(vf.index_select(1, idx), B, K, H * mc),
+                                     _mask_bias(ok.flatten(1, 2), q.dtype))          # methods.md §1
+            oc = oc.masked_fill(~ok.flatten(1, 2).any(-1, keepdim=True), 0.0)        # no valid key: 0
+            _put_chunk_rows(out, oc.view(B, H, mc, -1, d), n, b, i * step)
+            lses.append(lse)
         if g > 0:                            # methods.md §2.1: global rows attend to every key; replace their block rows
             out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
+        ctx.save_for_backward(q, k, v, out, real, *idxs, *oks, *[t for t in lses if t is not None])
+        ctx.sizes = (n, b, g, step, len(idxs), lses[0] is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, real, *rest = ctx.saved_tensors
-        n, b, g, step, chunks = ctx.sizes
-        idxs, oks = rest[:chunks], rest[chunks:]
+        q, k, v, out, real, *rest = ctx.saved_tensors
+        n, b, g, step, chunks, have_lse = ctx.sizes
+        idxs, oks = rest[:chunks], rest[chunks:2 * chunks]
+        lses = rest[2 * chunks:] if have_lse else [None] * chunks
         B, H, L, d = k.shape
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)                  # one buffer each
         dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)              # [B, H L, d]
         dv = torch.zeros(B, H * L, d, dtype=v.dtype, device=v.device)
         kf, vf = _rows(k), _rows(v)
-        for i, (idx, ok) in enumerate(zip(idxs, oks)):
-            a, mc = i * step, ok.shape[2]
-            qc = _chunk_rows(q, n, b, a, mc).detach().requires_grad_()
-            kc = kf.index_select(1, idx).requires_grad_()                            # [B, K H mc, d] again
-            vc = vf.index_select(1, idx).requires_grad_()
-            gc = _chunk_rows(grad_out, n, b, a, mc)
+        for i, (idx, ok, lse) in enumerate(zip(idxs, oks, lses)):
+            a, mc, K = i * step, ok.shape[2], ok.shape[-1]
+
+            def chunk(t):                                                           # [B, H mc, bq, d]
+                return _chunk_rows(t, n, b, a, mc).reshape(B, H * mc, -1, d)
+            okf = ok.flatten(1, 2)                                                  # [B, H mc, bq or 1, K]
+            gc = chunk(grad_out).masked_fill(~okf.any(-1, keepdim=True), 0.0)       # no valid key: no gradient
             if a * b < g:                    # the global rows' block results were replaced: no gradient
-                gc = gc.clone()
-                gc[:, :, :, :b].reshape(B, H, mc * b, d)[:, :, :g - a * b] = 0
-            with torch.enable_grad():
-                oc = _attend_chunk(qc, kc, vc, ok)                                   # recomputed
-            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), gc)
-            _put_chunk_rows(dq, gq, n, b, a)
-            dk.index_add_(1, idx, gk)
-            dv.index_add_(1, idx, gv)
+                glob = torch.arange(a * b, (a + mc) * b, device=q.device).view(1, 1, mc, b, 1) < g
+                gc.view(B, H, mc, -1, d)[:, :, :, :b].masked_fill_(glob, 0.0)      # token rows, not R_j
+            kc = _heads_first(kf.index_select(1, idx), B, K, H * mc)                 # [B, H mc, K, d] again
+            vc = _heads_first(vf.index_select(1, idx), B, K, H * mc)
+            gq, gk, gv = _chunk_backward(gc, chunk(q), kc, vc, _mask_bias(okf, q.dtype), chunk(out), lse)
+            _put_chunk_rows(dq, gq.view(B, H, mc, -1, d), n, b, a)
+            dk.index_add_(1, idx, gk.transpose(1, 2).reshape(B, K * H * mc, d))     # back to key-major rows
+            dv.index_add_(1, idx, gv.transpose(1, 2).reshape(B, K * H * mc, d))
         if g > 0:
             qg, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, :g], k, v))
             with torch.enable_grad():
@@ -326,7 +362,8 @@ def _stage1_fused(q, k, v, n, b, g, kidx_flat, valid, real):
     B, H, L, d = q.shape
     K = kidx_flat.shape[-1]
     step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
-    idxs = [c.permute(2, 0, 1).reshape(-1) for c in kidx_flat.split(step, dim=1)]  # [K H mc] each, key-major
+    # [K H mc] each, key-major; int32 (index_select and index_add_ take it) halves what the backward keeps
+    idxs = [c.permute(2, 0, 1).reshape(-1).to(torch.int32) for c in kidx_flat.split(step, dim=1)]
     return FusedSparseAttention.apply(q, k, v, n, b, g, step, real, idxs, list(valid.split(step, dim=2)))
 
 
