@@ -395,6 +395,21 @@ def peak_rss():
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
 
 
+def peak_tensor_bytes(fn):
+    """CPU: the peak of live tensor bytes while fn() runs, over its baseline, from the profiler's allocation
+    records (each op's own allocations and every free, in time order). Unlike the RSS peak this does not
+    depend on the allocator or the machine: the same code gives the same figure, so it is what a memory
+    comparison between two kernels should read."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak
+
+
 def long_step(spec, n):
     """(Config, model, train-step function) of a scaling point: long_config of spec["kind"] at length n,
     no attention dropout, hidden dropout 0.1, a random batch of spec["batch"]."""
@@ -425,7 +440,8 @@ def child_measure(spec):
     else:
         peak = peak_rss() - base
     flops = train_flops(cfg, layer_params(model), spec["batch"], spec["n"])
-    return dict(spec, times=t, peak_bytes=peak, flops=flops)
+    tensor_peak = peak_tensor_bytes(fn) if dev == "cpu" else peak         # one more step, profiled
+    return dict(spec, times=t, peak_bytes=peak, tensor_peak_bytes=tensor_peak, flops=flops)
 
 
 def child_alternate(spec):

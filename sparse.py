@@ -17,9 +17,9 @@ Layout. Every query block gathers its keys once, in this order (K columns in all
   - the g global query rows are computed densely against all keys ([B, H, g, n], O(g n)); their rows in
     the block layout are masked and replaced.
   Without dropout the block layout runs through PyTorch's fused attention (scores never stored), a chunk
-  of query blocks at a time, and so do the global rows; the gathered keys are not kept for the backward
-  (FusedSparseAttention gathers them again), and the chunks' key gradients add up in one buffer, so time
-  and memory are linear in n. No n x n tensor is ever built.
+  of query blocks at a time, and so do the global rows; neither the gathered keys nor the layout are kept
+  for the backward (FusedSparseAttention builds and gathers them again), and the chunks' key gradients add
+  up in one buffer, so time and memory are linear in n. No n x n tensor is ever built.
   FlexAttention (flex=True, model.Config.flex_attention on CUDA): without dropout, stage 1 can also run
   through torch's FlexAttention with a BlockMask made from the same layout (flex_stage1); the gather kernel
   stays the reference and the path for dropout and AttendOut.
@@ -101,7 +101,8 @@ def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pat
     in_window = window_matrix(m, p, draw_device)                               # [m, m]
     u = torch.rand(H, m, m, generator=generator, device=draw_device)        # [H, m, m] uniform keys
     u = u.masked_fill(in_window, 2.0)                                       # window blocks sort last
-    idx = u.argsort(dim=-1)[..., :r]                                        # [H, m, r] r smallest = uniform
+    # [H, m, r]: the r smallest = uniform; a copy, not a view, so the [H, m, m] sort is not kept alive with it
+    idx = u.argsort(dim=-1)[..., :r].contiguous()
     ok = ~in_window.expand(H, m, m).gather(-1, idx)                         # [H, m, r]
     return idx.to(device), ok.to(device)
 
@@ -263,13 +264,14 @@ def _chunk_backward(grad, q, k, v, bias, out, lse):
 class FusedSparseAttention(torch.autograd.Function):
     """Stage 1 without dropout, all of it: the block layout a chunk of `step` query blocks at a time (gather
     the chunk's keys and values, fused attention), then the g global rows densely (_attend_fused over all
-    keys). q, k, v [B, H, L, d]; idxs: one long [K H mc] per chunk (flat rows h L + l, key-major); oks: one
-    bool [B, H, mc, bq or 1, K] per chunk; real [B, L]. Returns [B, H, L, d].
+    keys). q, k, v [B, H, L, d]; real [B, L]; chunks() -> (step, idxs, oks): idxs one int32 [K H mc] per
+    chunk (flat rows h L + l, key-major), oks one bool [B, H, mc, bq or 1, K] per chunk. Returns [B, H, L, d].
 
     Memory: the gathered keys and values are K = (2w + 1 + r) b + g (+ 1) rows per query block, K / b times
     the size of k and v, so nothing gathered is kept for the backward: it saves q, k, v (the layer keeps them
-    anyway), its own output (which the layer's output projection keeps anyway), each row's log-sum-exp (one
-    number per row), the indices and the masks. The backward gathers each chunk's keys and values again and
+    anyway), its own output (which the layer's output projection keeps anyway) and each row's log-sum-exp
+    (one number per row). Not even the layout is kept: chunks() builds it again in the backward from the
+    random blocks it was drawn from (H m r numbers). The backward gathers each chunk's keys and values again and
     runs the fused kernel's backward on them (_chunk_backward), adding every chunk's gradients into ONE
     buffer per q, k, v (autograd's own index_select backward would zero-fill a full-size gradient per chunk,
     O(n^2) in all). So memory is O(n d), like dense fused attention's, and time is linear in n.
@@ -279,7 +281,8 @@ class FusedSparseAttention(torch.autograd.Function):
     dO = 0 a row adds nothing to dq, dk or dv, whatever out holds there (the global result, or 0)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, n, b, g, step, real, idxs, oks):
+    def forward(ctx, q, k, v, n, b, g, real, chunks):
+        step, idxs, oks = chunks()
         B, H, L, d = q.shape     # out [B, H, L, d] laid out as [B, L, H, d]: the layer's merge of heads is a view
         out = torch.empty(B, L, H, d, dtype=q.dtype, device=q.device).transpose(1, 2)
         kf, vf = _rows(k), _rows(v)                                                 # [B, H L, d]
@@ -295,20 +298,27 @@ class FusedSparseAttention(torch.autograd.Function):
             lses.append(lse)
         if g > 0:                            # methods.md §2.1: global rows attend to every key; replace their block rows
             out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
-        ctx.save_for_backward(q, k, v, out, real, *idxs, *oks, *[t for t in lses if t is not None])
-        ctx.sizes = (n, b, g, step, len(idxs), lses[0] is not None)
+        ctx.save_for_backward(q, k, v, out, real, *[t for t in lses if t is not None])
+        ctx.sizes, ctx.chunks = (n, b, g), chunks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, real, *rest = ctx.saved_tensors
-        n, b, g, step, chunks, have_lse = ctx.sizes
-        idxs, oks = rest[:chunks], rest[chunks:2 * chunks]
-        lses = rest[2 * chunks:] if have_lse else [None] * chunks
+        q, k, v, out, real, *lses = ctx.saved_tensors
+        n, b, g = ctx.sizes
+        step, idxs, oks = ctx.chunks()                                               # the layout again
+        lses = lses or [None] * len(idxs)
         B, H, L, d = k.shape
-        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)                  # one buffer each
-        dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)              # [B, H L, d]
-        dv = torch.zeros(B, H * L, d, dtype=v.dtype, device=v.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # every row is written by its chunk below
+        if g > 0:   # the global rows first: their key and value gradients (full size) become the buffers
+            qg, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, :g], k, v))
+            with torch.enable_grad():
+                og = _attend_fused(qg, kk, vv, real[:, None, None, :])
+            dq_glob, dk, dv = torch.autograd.grad(og, (qg, kk, vv), grad_out[:, :, :g])
+            dk, dv = (t.contiguous().view(B, H * L, d) for t in (dk, dv))              # [B, H L, d]
+        else:
+            dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)          # [B, H L, d]
+            dv = torch.zeros(B, H * L, d, dtype=v.dtype, device=v.device)
         kf, vf = _rows(k), _rows(v)
         for i, (idx, ok, lse) in enumerate(zip(idxs, oks, lses)):
             a, mc, K = i * step, ok.shape[2], ok.shape[-1]
@@ -327,14 +337,8 @@ class FusedSparseAttention(torch.autograd.Function):
             dk.index_add_(1, idx, gk.transpose(1, 2).reshape(B, K * H * mc, d))     # back to key-major rows
             dv.index_add_(1, idx, gv.transpose(1, 2).reshape(B, K * H * mc, d))
         if g > 0:
-            qg, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, :g], k, v))
-            with torch.enable_grad():
-                og = _attend_fused(qg, kk, vv, real[:, None, None, :])
-            gq, gk, gv = torch.autograd.grad(og, (qg, kk, vv), grad_out[:, :, :g])
-            dq[:, :, :g] += gq
-            dk.view(B, H, L, d).add_(gk)
-            dv.view(B, H, L, d).add_(gv)
-        return dq, dk.view(B, H, L, d), dv.view(B, H, L, d), None, None, None, None, None, None, None
+            dq[:, :, :g] += dq_glob
+        return dq, dk.view(B, H, L, d), dv.view(B, H, L, d), None, None, None, None, None
 
 
 def _chunk_rows(a, n, b, start, mc):
@@ -354,17 +358,22 @@ def _put_chunk_rows(out, oc, n, b, start):
 
 
 @torch.compiler.disable   # its backward calls torch.autograd.grad, which dynamo does not trace: eager under --compile
-def _stage1_fused(q, k, v, n, b, g, kidx_flat, valid, real):
+def _stage1_fused(q, k, v, n, b, g, real, layout):
     """Stage 1 without dropout by FusedSparseAttention, in chunks of query blocks. q, k, v [B, H, L, d],
-    kidx_flat [H, m, K] (flat_index), valid [B, H, m, bq or 1, K], real [B, L]. Chunks keep each gathered key
-    tensor, and each fused call's working set, small (<= CHUNK_ELEMENTS): large ones are fresh memory (page
-    faults) on every step and fall out of cache, so time would grow faster than n. Returns [B, H, L, d]."""
+    real [B, L]; layout() -> (kidx_flat [H, m, K] (flat_index), ok [B, H, m, bq or 1, K]), called in the
+    forward and again in the backward. Chunks keep each gathered key tensor, and each fused call's working
+    set, small (<= CHUNK_ELEMENTS): large ones are fresh memory (page faults) on every step and fall out of
+    cache, so time would grow faster than n. Returns [B, H, L, d]."""
     B, H, L, d = q.shape
-    K = kidx_flat.shape[-1]
-    step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                               # query blocks per chunk
-    # [K H mc] each, key-major; int32 (index_select and index_add_ take it) halves what the backward keeps
-    idxs = [c.permute(2, 0, 1).reshape(-1).to(torch.int32) for c in kidx_flat.split(step, dim=1)]
-    return FusedSparseAttention.apply(q, k, v, n, b, g, step, real, idxs, list(valid.split(step, dim=2)))
+
+    def chunks():
+        kidx_flat, ok = layout()
+        K = kidx_flat.shape[-1]
+        step = max(1, CHUNK_ELEMENTS // (B * H * K * d))                           # query blocks per chunk
+        # [K H mc] each, key-major; int32: index_select and index_add_ take it, at half the memory
+        idxs = [c.permute(2, 0, 1).reshape(-1).to(torch.int32) for c in kidx_flat.split(step, dim=1)]
+        return step, idxs, list(ok.split(step, dim=2))
+    return FusedSparseAttention.apply(q, k, v, n, b, g, real, chunks)
 
 
 def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn, pattern):
@@ -379,30 +388,35 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
     dev = q.device
     real = real_keys(attention_mask, n, b, with_reps, B, dev)                       # [B, L]
     rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)  # [H, m, r]
-    lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
-    kidx = lay.kidx                                                                 # [H, m, K]
-    K = kidx.shape[-1]
-    flat = flat_index(kidx, L)                                                      # [H m K]
+    bq = b + 1 if with_reps else b
+
+    def layout():
+        """This draw's key columns and masks: flat [H m K] (flat_index), valid_keys [B, H, m, 1, K] (the
+        pattern allows the key and it is real), row_ok [m, bq, K] (query side: global query rows are done
+        densely below; R_j reads only what lay.rep_row says)."""
+        lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
+        K = lay.kidx.shape[-1]                                                      # kidx [H, m, K]
+        row_ok = torch.ones(m, bq, K, dtype=torch.bool, device=dev)                # [m, bq, K]
+        row_ok[:, :b] &= (torch.arange(n, device=dev) >= g).view(m, b, 1)
+        if with_reps:
+            row_ok[:, b, :] = lay.rep_row
+        return flat_index(lay.kidx, L), (lay.kin & real[:, lay.kidx])[:, :, :, None, :], row_ok
+
+    if drop_fn is None and dropout_p == 0:   # no dropout: PyTorch's fused attention, scores never stored
+        def fused_layout():
+            flat, valid_keys, row_ok = layout()
+            # without HST, row_ok only masks the global query rows, which are replaced: keys alone suffice
+            return flat.view(H, m, -1), valid_keys & row_ok if with_reps else valid_keys  # ok [B, H, m, bq or 1, K]
+        return _stage1_fused(q, k, v, n, b, g, real, fused_layout)                 # [B, H, L, d]
+    flat, valid_keys, row_ok = layout()
 
     def queries(a):                                  # [B, H, L, e] -> [B, H, m, bq, e], R_j is row b (HST)
         ab = a[:, :, :n].reshape(B, H, m, b, a.shape[-1])
         return torch.cat([ab, a[:, :, n:, None]], dim=3) if with_reps else ab
 
-    # query side: global query rows are done densely below; R_j reads only what lay.rep_row says
-    bq = b + 1 if with_reps else b
-    row_ok = torch.ones(m, bq, K, dtype=torch.bool, device=dev)                    # [m, bq, K]
-    row_ok[:, :b] &= (torch.arange(n, device=dev) >= g).view(m, b, 1)
-    if with_reps:
-        row_ok[:, b, :] = lay.rep_row
-    valid_keys = (lay.kin & real[:, kidx])[:, :, :, None, :]                       # [B, H, m, 1, K]
-
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
         return torch.matmul(queries(a), gather_keys(c, flat, m).transpose(-1, -2))
 
-    if drop_fn is None and dropout_p == 0:   # no dropout: PyTorch's fused attention, scores never stored
-        # without HST, row_ok only masks the global query rows, which are replaced: keys alone suffice
-        ok = valid_keys & row_ok if with_reps else valid_keys                       # [B, H, m, bq or 1, K]
-        return _stage1_fused(q, k, v, n, b, g, flat.view(H, m, K), ok, real)      # [B, H, L, d]
     valid = valid_keys & row_ok                                                     # [B, H, m, bq, K]
     real_rows = real[:, :n].view(B, 1, m, b, 1)                                     # real query tokens
     if with_reps:                                                                   # and real R_j rows
