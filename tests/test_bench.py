@@ -73,3 +73,16 @@ def test_cli_quick_section_writes_json(tmp_path):
     assert "SAR / plain step: ratio" in r.stdout and "| plain CE |" in r.stdout
     res = json.loads(out.read_text())
     assert [f["name"] for f in res["results"]["sar"]["figures"]] == ["SAR / plain step", "R-Drop / plain step"]
+
+
+def test_peak_tensor_bytes_counts_live_tensors():
+    """bench.peak_tensor_bytes: the most tensor bytes alive at once while fn runs (a freed tensor no longer
+    counts), the figure bench.py compares block-sparse and dense memory by."""
+    def fn():
+        a = torch.empty(1_000_000)          # 4 MB, freed before the next two
+        del a
+        b = torch.empty(2_000_000)          # 8 MB
+        c = torch.empty(500_000)            # + 2 MB alive with b: the peak, 10 MB
+        return b, c
+    peak = bench.peak_tensor_bytes(fn)
+    assert 10_000_000 <= peak < 10_001_000, peak

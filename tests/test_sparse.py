@@ -273,3 +273,31 @@ def test_fused_sparse_attention_gradcheck(hst, monkeypatch):
     mask = (hst_dense_mask if hst else dense_mask)(n, am, num_heads=H, generator=torch.Generator().manual_seed(1), **kw)
     torch.testing.assert_close(run(q, k, v), masked_attention(q, k, v, mask), atol=TOL, rtol=0)
     assert torch.autograd.gradcheck(run, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("hst", [False, True])
+def test_lean_kernel_keeps_what_fused_dense_attention_keeps(hst):
+    """Without dropout the sparse kernel saves for its backward what PyTorch's fused dense attention saves
+    (q, k, v, the output, one log-sum-exp per row) and nothing gathered, nor the layout (rebuilt from the
+    random draw): its saved bytes are at most dense's plus the [B, L] real-key mask."""
+    B, H, n, d, b = 2, 2, 256, 16, 16
+    L = n + n // b if hst else n
+    x = torch.randn(B, L, 3 * H * d, requires_grad=True)
+
+    def saved_bytes(attend):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        q, k, v = (t.view(B, L, H, d).transpose(1, 2) for t in (x * 1.0).split(H * d, dim=-1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attend(q, k, v)                   # what the forward saves, kept until the backward
+        out.sum().backward()
+        return sum(storages.values())
+    kernel = hst_attention if hst else block_sparse_attention
+    am = torch.ones(B, n, dtype=torch.bool)
+    sparse_bytes = saved_bytes(lambda q, k, v: kernel(q, k, v, am, generator=torch.Generator().manual_seed(0),
+                                                      block_size=b, window=1, num_global=16, num_random=2))
+    dense_bytes = saved_bytes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    assert sparse_bytes <= dense_bytes + B * L, (sparse_bytes, dense_bytes)
