@@ -268,8 +268,9 @@ def pretrained_attendout(a):
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) | time per run (s) |",
              "|---|---|---|---|---|---|", *rows]
-    write_results(a, "pretrained_attendout", table, pretrained_note(a), raw)
-    plot_pretrained_droprates(a)
+    write_results(a, "pretrained_attendout" + settings_suffix(a), table, pretrained_note(a), raw)
+    if a.variants is None or "attendout" in a.variants:
+        plot_pretrained_droprates(a)
 
 
 def pretrained_sparse(a):
@@ -303,8 +304,14 @@ def pretrained_sparse(a):
     table = ["| data | setting | attention | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
              "| paired diff to hst (points, 95% CI) | same, worst s | time per run (s) |",
              "|---|---|---|---|---|---|---|---|---|", *rows]
-    write_results(a, "pretrained_sparse", table, pretrained_note(a, f"Shifts s = 1 .. {b - 1}. Topology: "
+    write_results(a, "pretrained_sparse" + settings_suffix(a), table, pretrained_note(a, f"Shifts s = 1 .. {b - 1}. Topology: "
                                                                        + " ".join(PRE_SPARSE_TOPOLOGY) + ". "), raw)
+
+
+def settings_suffix(a):
+    """'' for the default setting (lowres), else '_full' or '_lowres_full': each settings choice writes its
+    own docs/results_*.md and drop-rate figure, so a full-size run does not overwrite the low-resource table."""
+    return "" if a.settings == ["lowres"] else "_" + "_".join(a.settings)
 
 
 def pretrained_note(a, extra=""):
@@ -317,14 +324,15 @@ def pretrained_note(a, extra=""):
 
 
 def plot_pretrained_droprates(a):
-    """docs/droprates_pretrained.png: the attendout runs' per-layer drop rate over training (mean over seeds),
-    one panel per (data set, setting)."""
+    """docs/droprates_pretrained[_SETTINGS].png: the attendout runs' per-layer drop rate over training (mean
+    over seeds), one panel per (data set, setting)."""
+    name = "droprates_pretrained" + settings_suffix(a)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no docs/droprates_pretrained.png")
+        print(f"matplotlib is not installed: no docs/{name}.png")
         return
     panels = [(ds, st) for st in a.settings for ds in a.datasets]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
@@ -347,9 +355,9 @@ def plot_pretrained_droprates(a):
         ax.set_ylabel("mean drop probability")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join("docs", "droprates_pretrained.png"), dpi=120)
-    print(f"wrote docs/droprates_pretrained.png; final per-layer drop rates: {summary}")
-    with open(os.path.join("docs", "droprates_pretrained_final.json"), "w") as f:
+    fig.savefig(os.path.join("docs", f"{name}.png"), dpi=120)
+    print(f"wrote docs/{name}.png; final per-layer drop rates: {summary}")
+    with open(os.path.join("docs", f"{name}_final.json"), "w") as f:
         json.dump(summary, f)
 
 
