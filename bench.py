@@ -440,7 +440,8 @@ def child_measure(spec):
     else:
         peak = peak_rss() - base
     flops = train_flops(cfg, layer_params(model), spec["batch"], spec["n"])
-    tensor_peak = peak_tensor_bytes(fn) if dev == "cpu" else peak         # one more step, profiled
+    # CPU: one more step, profiled; CUDA: max_memory_allocated already counts tensors only
+    tensor_peak = peak_tensor_bytes(fn) if dev == "cpu" else peak
     return dict(spec, times=t, peak_bytes=peak, tensor_peak_bytes=tensor_peak, flops=flops)
 
 
@@ -500,7 +501,7 @@ def bench_scaling(S, args):
     print("## 3. Scaling: train step and peak memory (2x256, 4 heads, block 64, w 1, g 128, r 3, batch 1, "
           "attention dropout none, hidden dropout 0.1; one fresh process per point)\n")
     print(table(["attention", "n", "ms/step (median)", "peak MiB (step - baseline)",
-                 "tensor peak MiB" if args.device == "cpu" else "(same)", "tokens/s",
+                 "tensor peak MiB", "tokens/s",
                  "MFU" if args.device == "cuda" else "achieved"], scaling_rows(res, args)))
     figs = []
     top = ns[-1]                 # memory at the longest n: the sparse kernel against dense fused attention

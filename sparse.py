@@ -201,14 +201,17 @@ def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores, real_rows=None):
     return out.masked_fill(invalid.all(dim=-1, keepdim=True), 0.0)
 
 
+def _mask_bias(ok, dtype):
+    """bool mask -> additive bias with a finite fill (no NaN; a row with no valid key is zeroed after)."""
+    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)
+
+
 def _attend_fused(q, k, v, valid):
     """The same as _attend without dropout, by PyTorch's fused attention (scaled_dot_product_attention): the
     [.., Q, K] scores and probabilities are never stored (the backward recomputes them tile by tile), which
     is most of the kernel's memory traffic. q [N, M, Q, d], k/v [N, M, K, d], valid [N, M, Q or 1, K]."""
-    # additive mask with a finite fill (no NaN): a row with no valid key gets a uniform mean, zeroed below
-    bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(~valid, torch.finfo(q.dtype).min)                            # [N, M, Q or 1, K]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)                  # [N, M, Q, d]  methods.md §1
+    # a row with no valid key gets a uniform mean over its masked keys, zeroed below
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_bias(valid, q.dtype))  # [N, M, Q, d]  methods.md §1
     return out.masked_fill(~valid.any(dim=-1, keepdim=True), 0.0)
 
 
@@ -223,11 +226,6 @@ def _rows(c):
     into (one copy of c: a strided view of the QKV projection cannot be flattened in place)."""
     B, H, L, d = c.shape
     return c.reshape(B, H * L, d)
-
-
-def _mask_bias(ok, dtype):
-    """bool mask -> additive bias with a finite fill (no NaN; a row with no valid key is zeroed after)."""
-    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)
 
 
 def _heads_first(c, B, K, Hm):
@@ -289,11 +287,12 @@ class FusedSparseAttention(torch.autograd.Function):
         lses = []
         for i, (idx, ok) in enumerate(zip(idxs, oks)):
             mc, K = ok.shape[2], ok.shape[-1]
+            okf = ok.flatten(1, 2)                                                  # [B, H mc, bq or 1, K]
             qc = _chunk_rows(q, n, b, i * step, mc).reshape(B, H * mc, -1, d)        # [B, H mc, bq, d]
             oc, lse = _chunk_forward(qc, _heads_first(kf.index_select(1, idx), B, K, H * mc),
                                      _heads_first(vf.index_select(1, idx), B, K, H * mc),
-                                     _mask_bias(ok.flatten(1, 2), q.dtype))          # methods.md §1
-            oc = oc.masked_fill(~ok.flatten(1, 2).any(-1, keepdim=True), 0.0)        # no valid key: 0
+                                     _mask_bias(okf, q.dtype))                       # methods.md §1
+            oc = oc.masked_fill(~okf.any(-1, keepdim=True), 0.0)                     # no valid key: 0
             _put_chunk_rows(out, oc.view(B, H, mc, -1, d), n, b, i * step)
             lses.append(lse)
         if g > 0:                            # methods.md §2.1: global rows attend to every key; replace their block rows
