@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import sar
-from data import DataError, Example, TaskData, make_batches
+from data import DataError, Example, TaskData, longest_first, make_batches
 
 DOC_STRIDE = 128          # tokens between the starts of two windows of one context (BERT's run_squad)
 MAX_QUERY_TOKENS = 64     # a longer question is cut
@@ -253,6 +253,7 @@ def evaluate(raw, task, batch_size, device, shift_by=0):
     out = {}
     for split, examples in task.dev.items():
         best, golds = {}, {}                         # qid -> (score, predicted text); qid -> gold texts
+        examples = longest_first(examples)           # little padding per batch; answers are matched by qid
         batches = make_batches(examples, batch_size, pad_id=raw.cfg.pad_id, seed=0, epoch=0, shuffle=False)
         i = 0
         for batch in batches:

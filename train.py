@@ -375,8 +375,9 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
     out = {}
     for split, examples in task.dev.items():
         preds, labels, losses = [], [], []
-        # padded to the longest example only: the model pads to its block size itself (Model.pad_to_block)
-        for batch in data.make_batches(examples, args.batch_size, pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
+        # longest first (data.longest_first), each batch padded to its longest example only: the model pads to
+        # its block size itself (Model.pad_to_block)
+        for batch in data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
             batch = {k: v.to(device) for k, v in batch.items()}
             if task.head == "pair":
                 batch = data.flatten_pairs(batch)

@@ -75,6 +75,36 @@ def read_log(out):
 
 
 # -----------------------------------------------------------------------------
+# evaluation
+
+@pytest.mark.parametrize("attention", ["dense", "sparse", "hst"])
+def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
+    """train.evaluate batches the dev set longest first (data.longest_first); its scores must equal those of a
+    pass with batch size 1, where no example has padding beside it. A regression head: its Pearson and
+    Spearman correlations move with any change of a score or any score paired with the wrong label."""
+    from argparse import Namespace
+    from model import Config, Model
+    torch.manual_seed(0)
+    model = Model(Config(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48,
+                         max_positions=80, pad_id=1, num_labels=1, attention=attention, block_size=4,
+                         hidden_dropout_p=0.0, attn_dropout_p=0.0))
+    with torch.no_grad():   # wider than BERT's 0.02 init, so the scores spread and the correlations are not noise
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    rng = random.Random(0)
+    dev = [data.Example([0] + [rng.randrange(3, 40) for _ in range(rng.randint(2, 30))] + [2], None, rng.random())
+           for _ in range(40)]
+    task = data.TaskData([], {"dev": dev}, 1, True, "pearson", [])
+    tok = Namespace(pad_id=1)
+    for shift in ([0, 1] if attention != "dense" else [0]):
+        one = train.evaluate(model, task, Namespace(task="stsb", batch_size=1), torch.device("cpu"), tok, shift)
+        batched = train.evaluate(model, task, Namespace(task="stsb", batch_size=16), torch.device("cpu"), tok, shift)
+        for k in ("pearson", "spearman"):
+            assert batched["dev"][k] == pytest.approx(one["dev"][k], abs=1e-6), (shift, k)
+
+
+# -----------------------------------------------------------------------------
 # end to end
 
 def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
