@@ -189,7 +189,7 @@ def setting_flags(a, ds, setting):
     if n is not None:       # named by the source file's content too: another --data-root never reuses it
         with open(os.path.join(data_dir, "train.tsv"), "rb") as f:
             tag = hashlib.md5(f.read()).hexdigest()[:8]
-        sub = os.path.join("data", "subsample", f"{ds}-train-{n}-seed{SUBSAMPLE_SEED}-{tag}.tsv")
+        sub = os.path.join(a.out, "subsample", f"{ds}-train-{n}-seed{SUBSAMPLE_SEED}-{tag}.tsv")
         flags += ["--train-file", write_subsample(os.path.join(data_dir, "train.tsv"), n, SUBSAMPLE_SEED, sub)]
     return flags, epochs
 
@@ -233,17 +233,18 @@ def drop_checkpoints(run_dir):
 
 def pretrained_runs(a, variants, extra_common):
     """Run (or only print, --dry-run) the grid; returns {(ds, setting, variant): [final.json, ...]} in seed
-    order, and the run folder of each."""
+    order, and the run folder of each. Seed-major: every row's seed 0, then every row's seed 1, ..., so a grid
+    stopped early has whole rows at fewer seeds (rerun with --seeds 0 1 2 for their table)."""
     if not os.path.isfile(a.init) and not os.path.isdir(a.init):
         sys.exit(f"error: --init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
     finals, dirs = {}, {}
     for setting in a.settings:
         for ds in a.datasets:
             flags, epochs = setting_flags(a, ds, setting)
-            for name, extra in variants.items():
-                if a.variants and name not in a.variants:
-                    continue
-                for s in a.seeds:
+            for s in a.seeds:
+                for name, extra in variants.items():
+                    if a.variants and name not in a.variants:
+                        continue
                     out = os.path.join(a.out, f"{ds}-{setting}-{name.replace('+', '_')}-s{s}")
                     ao_out = os.path.join(a.out, f"{ds}-{setting}-attendout-s{s}")
                     cmd = [*PRE_COMMON, *extra_common, "--init", a.init, *flags, "--epochs", str(epochs),
@@ -323,8 +324,9 @@ def settings_suffix(a):
 def pretrained_note(a, extra=""):
     settings = "; ".join(f"{s}: {'all' if PRE_SETTINGS[s][0] is None else PRE_SETTINGS[s][0]} training examples, "
                          f"{PRE_SETTINGS[s][1]} epoch(s)" for s in a.settings)
-    return (f"Command: `python experiments.py {' '.join(sys.argv[1:])}`. Fine-tuned from {a.init}; {settings} (subsample: first {SUBSAMPLE} lines after "
-            f"random.Random({SUBSAMPLE_SEED}).shuffle, experiments.write_subsample). Seeds {a.seeds}; mean +- std "
+    sub = (f" (subsample: first {SUBSAMPLE} lines after random.Random({SUBSAMPLE_SEED}).shuffle, "
+           f"experiments.write_subsample)" if any(PRE_SETTINGS[s][0] is not None for s in a.settings) else "")
+    return (f"Command: `python experiments.py {' '.join(a.argv)}`. Fine-tuned from {a.init}; {settings}{sub}. Seeds {a.seeds}; mean +- std "
             f"over seeds of the final weights' dev accuracy; paired difference to the baseline row with a 95% "
             f"t-interval over seeds. {extra}Common flags: {' '.join(PRE_COMMON + a.extra)}")
 
@@ -361,29 +363,30 @@ def plot_pretrained_droprates(a):
         ax.set_ylabel("mean drop probability")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join("docs", f"{name}.png"), dpi=120)
-    print(f"wrote docs/{name}.png; final per-layer drop rates: {summary}")
-    with open(os.path.join("docs", f"{name}_final.json"), "w") as f:
+    fig.savefig(os.path.join(a.docs, f"{name}.png"), dpi=120)
+    print(f"wrote {a.docs}/{name}.png; final per-layer drop rates: {summary}")
+    with open(os.path.join(a.docs, f"{name}_final.json"), "w") as f:
         json.dump(summary, f)
 
 
 def write_results(a, name, table, note, raw):
     text = "\n".join(table) + "\n\n" + note + "\n"
     print("\n" + text)
-    os.makedirs("docs", exist_ok=True)
-    with open(os.path.join("docs", f"results_{name}.md"), "w") as f:
+    os.makedirs(a.docs, exist_ok=True)
+    with open(os.path.join(a.docs, f"results_{name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join("docs", f"results_{name}.json"), "w") as f:
+    with open(os.path.join(a.docs, f"results_{name}.json"), "w") as f:
         json.dump(raw, f, indent=1)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     ap.add_argument("--out", default=None, help="where the runs go (default out/experiments, out/pretrained-*)")
+    ap.add_argument("--docs", default="docs", help="where the tables (results_*.md / .json) and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),
                     help="pretrained-*: a folder with sst2/ and mr/, each train.tsv and dev.tsv as label<TAB>sentence")
     ap.add_argument("--datasets", nargs="+", default=DEFAULT_DATASETS)
@@ -396,7 +399,8 @@ def main():
                     help="pretrained-*: more train.py flags for every run (last on the line, e.g. --extra --gnet-lr 1e-3)")
     ap.add_argument("--dry-run", action="store_true", help="pretrained-*: print the commands of unfinished runs, run nothing")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
     pre = a.experiment.startswith("pretrained")
     if a.seeds is None:
         a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]

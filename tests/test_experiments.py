@@ -1,15 +1,19 @@
-"""Tests of experiments.py's statistics and data helpers (no checkpoint, no data set, no training).
+"""Tests of experiments.py: its statistics and data helpers, and the pretrained grids end to end on a tiny model.
 
 The paired 95% confidence interval against numbers computed by hand, the t table against known quantiles,
 the low-resource subsample (deterministic, the first n lines after a seeded shuffle).
 Run: python -m pytest tests/test_experiments.py -q
 """
+import json
 import math
+import os
 import random
 
 import pytest
 
 import experiments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_paired_ci_by_hand():
@@ -55,3 +59,88 @@ def test_subsample_is_fixed(tmp_path):
     assert open(out).read() != first
     experiments.write_subsample(str(src), 100, 0, out)               # n larger than the file: all of it
     assert sorted(open(out).readlines()) == sorted(lines)
+
+
+# -----------------------------------------------------------------------------
+# the pretrained grids end to end, on a tiny model and tiny data (real train.py runs, a few seconds each)
+
+def write_sentences(folder, n_train, n_dev, seed):
+    """label<TAB>sentence, no header (the layout of the README's SST-2 / MR files): label 1 iff 'zebra'."""
+    rng = random.Random(seed)
+    words = "apple river stone cloud green table music paper light water horse dream".split()
+    os.makedirs(folder, exist_ok=True)
+    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
+        with open(os.path.join(folder, name), "w") as f:
+            for _ in range(n):
+                toks = [rng.choice(words) for _ in range(rng.randint(3, 12))]
+                y = int(rng.random() < 0.5)
+                if y:
+                    toks[rng.randrange(len(toks))] = "zebra"
+                f.write(f"{y}\t{' '.join(toks)}\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory):
+    """A data root with sst2/ (64 training sentences) and a tiny 'pretrained' checkpoint: train.py from scratch
+    on 400 other sentences of the same task until it has learned it, so that the grid's short runs end at
+    different accuracies for different seeds (its ckpt_last.pt carries the model and its tokenizer, as a
+    converted checkpoint does)."""
+    root = tmp_path_factory.mktemp("grid")
+    write_sentences(str(root / "pretrain"), 400, 8, seed=1)
+    write_sentences(str(root / "data" / "sst2"), 64, 80, seed=0)
+    import train
+    train.main(["--task", "tsv", "--data", str(root / "pretrain"), "--text-col", "1", "--label-col", "0",
+                "--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64",
+                "--vocab-size", "36", "--max-steps", "50", "--batch-size", "16", "--lr", "3e-3", "--warmup", "10",
+                "--attn-dropout", "none", "--hidden-dropout-p", "0", "--out", str(root / "init")])
+    return root
+
+
+def run_grid(root, argv, capfd):
+    experiments.main([*argv, "--init", str(root / "init" / "ckpt_last.pt"), "--data-root", str(root / "data"),
+                      "--datasets", "sst2", "--seeds", "0", "1", "--docs", str(root / "docs"),
+                      "--extra", "--lr", "1e-2", "--log-every", "1"])   # 6 steps a run: seeds must matter; log every step
+    return capfd.readouterr().out
+
+
+def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_grid, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)                   # the grid calls `python train.py`
+    out = tiny_grid / "runs-attendout"
+    argv = ["pretrained-attendout", "--out", str(out), "--variants", "standard", "attendout", "scheduled"]
+    printed = run_grid(tiny_grid, argv, capfd)
+    # seed-major: every row's seed 0 before any seed 1
+    runs = [line.split("--out ")[1].split()[0] for line in printed.splitlines() if line.startswith("$ ")]
+    assert [os.path.basename(r) for r in runs] == [f"sst2-lowres-{v}-s{s}" for s in (0, 1)
+                                                   for v in ("standard", "attendout", "scheduled")]
+    finals = {os.path.basename(r): json.load(open(os.path.join(r, "final.json"))) for r in runs}
+    for s in (0, 1):                          # scheduled replays the AttendOut run of its own seed
+        args = finals[f"sst2-lowres-scheduled-s{s}"]["args"]
+        assert args["schedule"] == str(out / f"sst2-lowres-attendout-s{s}" / "droprates.jsonl")
+        assert args["seed"] == s and args["train_file"].startswith(str(out / "subsample"))
+    raw = json.load(open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.json"))["sst2-lowres"]
+    assert len(set(raw["attendout"])) == 2        # the seeds differ, so a wrong pairing would show below
+    for v in ("standard", "attendout", "scheduled"):       # each row lists its seeds' accuracies, in seed order
+        assert raw[v] == [finals[f"sst2-lowres-{v}-s{s}"]["dev"]["dev"]["acc"] for s in (0, 1)]
+    table = open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.md").read()
+    m, h = experiments.paired_ci([100 * x for x in raw["standard"]], [100 * x for x in raw["attendout"]])
+    assert "| sst2 | lowres | standard |" in table and "(baseline)" in table
+    assert f"| {m:+.1f} [{m - h:+.1f}, {m + h:+.1f}] |" in table
+    assert not os.path.exists(out / "sst2-lowres-standard-s0" / "ckpt_last.pt")      # checkpoints dropped
+    # resumable: a second call trains nothing and writes the same table
+    assert "$ " not in run_grid(tiny_grid, argv, capfd)
+    assert open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.md").read() == table
+
+
+def test_sparse_grid_scores_every_shift_of_the_final_weights(tiny_grid, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tiny_grid / "runs-sparse"
+    run_grid(tiny_grid, ["pretrained-sparse", "--out", str(out), "--variants", "hst", "dense"], capfd)
+    raw = json.load(open(tiny_grid / "docs" / "results_pretrained_sparse_sst2.json"))["sst2-lowres"]
+    for s in (0, 1):
+        final = json.load(open(out / f"sst2-lowres-hst-s{s}" / "final.json"))
+        shifts = json.load(open(out / f"sst2-lowres-hst-s{s}" / "shifts.json"))
+        assert sorted(shifts, key=int) == [str(i) for i in range(8)]          # b = 8: the original and s = 1 .. 7
+        assert shifts["0"] == final["dev"]["dev"]["acc"]
+        assert raw["hst"]["acc_by_shift"][s] == [shifts[str(i)] for i in range(8)]
+        assert raw["hst"]["acc_shift_worst"][s] == min(shifts[str(i)] for i in range(1, 8))
+    assert raw["dense"]["acc_shift_mean"] == raw["dense"]["acc"]           # dense: no topology to shift
