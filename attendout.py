@@ -454,10 +454,12 @@ class DropRateLogger:
         if not append:                      # a resumed run (append=True) keeps its earlier lines
             open(self.path, "w").close()
 
-    def log(self, step, step_frac, rates, **extra):
+    def log(self, step, step_frac, rates, last=False, **extra):
         """rates: a model / list of modules (-> drop_rates) or a list of floats; extra: more numbers for the
-        line (the trainer adds "mean" and the budget's "shift"). Returns True if written."""
-        if step % self.log_interval != 0:
+        line (the trainer adds "mean" and the budget's "shift"); last=True: the run's final step, always
+        written (a schedule replayed from this file then ends at the rates the run ended with).
+        Returns True if written."""
+        if step % self.log_interval != 0 and not last:
             return False
         if isinstance(rates, nn.Module) or any(isinstance(r, nn.Module) for r in rates):
             rates = drop_rates(rates)

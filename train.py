@@ -592,7 +592,7 @@ def train(r):
             bar.update(1)
             log_step(r, step, numbers, meter, bar, use_bar)
             if gnet_log is not None:
-                gnet_log.log(step, step / r.total, drop_rates(r.raw), **numbers.get("budget", {}))
+                gnet_log.log(step, step / r.total, drop_rates(r.raw), last=step == r.total, **numbers.get("budget", {}))
             if step == r.total and r.world > 1:
                 check_replicas(r.raw, r.device, r.world)
             if step == r.total or (args.eval_every and step % args.eval_every == 0) or (not args.eval_every and epoch_done):

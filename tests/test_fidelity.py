@@ -188,6 +188,16 @@ def test_budget_holds_in_a_real_run(extra, listops_dir, tmp_path):
     assert "shift" in recs[0]
 
 
+def test_drop_rate_log_ends_at_the_last_step(listops_dir, tmp_path):
+    """droprates.jsonl has a line every --log-every steps and one at the run's last step, so that a schedule
+    replayed from it (--attn-dropout scheduled) ends at the rates the AttendOut run ended with."""
+    out = tmp_path / "run"
+    run_train(["--task", "listops", "--data", listops_dir, "--out", str(out), "--max-steps", "7",
+               "--batch-size", "8", "--eval-every", "1000", "--log-every", "5", "--attn-dropout", "attendout", *TINY])
+    recs = [json.loads(line) for line in open(out / "droprates.jsonl")]
+    assert [(r["step"], r["step_frac"]) for r in recs] == [(5, 5 / 7), (7, 1.0)]
+
+
 # -----------------------------------------------------------------------------
 # No n x n tensor, by any route
 
