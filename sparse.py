@@ -206,15 +206,6 @@ def _mask_bias(ok, dtype):
     return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)
 
 
-def _attend_fused(q, k, v, valid):
-    """The same as _attend without dropout, by PyTorch's fused attention (scaled_dot_product_attention): the
-    [.., Q, K] scores and probabilities are never stored (the backward recomputes them tile by tile), which
-    is most of the kernel's memory traffic. q [N, M, Q, d], k/v [N, M, K, d], valid [N, M, Q or 1, K]."""
-    # a row with no valid key gets a uniform mean over its masked keys, zeroed below
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask_bias(valid, q.dtype))  # [N, M, Q, d]  methods.md §1
-    return out.masked_fill(~valid.any(dim=-1, keepdim=True), 0.0)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 
@@ -261,14 +252,14 @@ def _chunk_backward(grad, q, k, v, bias, out, lse):
 
 class FusedSparseAttention(torch.autograd.Function):
     """Stage 1 without dropout, all of it: the block layout a chunk of `step` query blocks at a time (gather
-    the chunk's keys and values, fused attention), then the g global rows densely (_attend_fused over all
-    keys). q, k, v [B, H, L, d]; real [B, L]; chunks() -> (step, idxs, oks): idxs one int32 [K H mc] per
+    the chunk's keys and values, fused attention), then the g global rows densely (one more fused call, over
+    all keys). q, k, v [B, H, L, d]; real [B, L]; chunks() -> (step, idxs, oks): idxs one int32 [K H mc] per
     chunk (flat rows h L + l, key-major), oks one bool [B, H, mc, bq or 1, K] per chunk. Returns [B, H, L, d].
 
     Memory: the gathered keys and values are K = (2w + 1 + r) b + g (+ 1) rows per query block, K / b times
     the size of k and v, so nothing gathered is kept for the backward: it saves q, k, v (the layer keeps them
     anyway), its own output (which the layer's output projection keeps anyway) and each row's log-sum-exp
-    (one number per row). Not even the layout is kept: chunks() builds it again in the backward from the
+    (one number per row; the g global rows keep a second, from their call over all keys). Not even the layout is kept: chunks() builds it again in the backward from the
     random blocks it was drawn from (H m r numbers). The backward gathers each chunk's keys and values again and
     runs the fused kernel's backward on them (_chunk_backward), adding every chunk's gradients into ONE
     buffer per q, k, v (autograd's own index_select backward would zero-fill a full-size gradient per chunk,
@@ -296,7 +287,9 @@ class FusedSparseAttention(torch.autograd.Function):
             _put_chunk_rows(out, oc.view(B, H, mc, -1, d), n, b, i * step)
             lses.append(lse)
         if g > 0:                            # methods.md §2.1: global rows attend to every key; replace their block rows
-            out[:, :, :g] = _attend_fused(q[:, :, :g], k, v, real[:, None, None, :])
+            og, lse = _chunk_forward(q[:, :, :g], k, v, _mask_bias(real[:, None, None, :], q.dtype))  # [B, H, g, d]
+            out[:, :, :g] = og.masked_fill(~real.any(-1)[:, None, None, None], 0.0)  # no valid key: 0
+            lses.insert(0, lse)                                                     # the global rows' first
         ctx.save_for_backward(q, k, v, out, real, *[t for t in lses if t is not None])
         ctx.sizes, ctx.chunks = (n, b, g), chunks
         return out
@@ -306,14 +299,14 @@ class FusedSparseAttention(torch.autograd.Function):
         q, k, v, out, real, *lses = ctx.saved_tensors
         n, b, g = ctx.sizes
         step, idxs, oks = ctx.chunks()                                               # the layout again
-        lses = lses or [None] * len(idxs)
+        lses = lses or [None] * (len(idxs) + (g > 0))                               # None: not on the CPU
         B, H, L, d = k.shape
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)   # every row is written by its chunk below
         if g > 0:   # the global rows first: their key and value gradients (full size) become the buffers
-            qg, kk, vv = (t.detach().requires_grad_() for t in (q[:, :, :g], k, v))
-            with torch.enable_grad():
-                og = _attend_fused(qg, kk, vv, real[:, None, None, :])
-            dq_glob, dk, dv = torch.autograd.grad(og, (qg, kk, vv), grad_out[:, :, :g])
+            lse, *lses = lses
+            gg = grad_out[:, :, :g].masked_fill(~real.any(-1)[:, None, None, None], 0.0)   # no valid key: none
+            dq_glob, dk, dv = _chunk_backward(gg, q[:, :, :g], k, v, _mask_bias(real[:, None, None, :], q.dtype),
+                                              out[:, :, :g], lse)
             dk, dv = (t.contiguous().view(B, H * L, d) for t in (dk, dv))              # [B, H L, d]
         else:
             dk = torch.zeros(B, H * L, d, dtype=k.dtype, device=k.device)          # [B, H L, d]
@@ -356,7 +349,7 @@ def _put_chunk_rows(out, oc, n, b, start):
         out[:, :, n + start:n + start + mc] = oc[:, :, :, b]
 
 
-@torch.compiler.disable   # its backward calls torch.autograd.grad, which dynamo does not trace: eager under --compile
+@torch.compiler.disable   # off the CPU its backward calls torch.autograd.grad (_chunk_backward), which dynamo does not trace
 def _stage1_fused(q, k, v, n, b, g, real, layout):
     """Stage 1 without dropout by FusedSparseAttention, in chunks of query blocks. q, k, v [B, H, L, d],
     real [B, L]; layout() -> (kidx_flat [H, m, K] (flat_index), ok [B, H, m, bq or 1, K]), called in the
