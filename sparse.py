@@ -259,11 +259,12 @@ class FusedSparseAttention(torch.autograd.Function):
     Memory: the gathered keys and values are K = (2w + 1 + r) b + g (+ 1) rows per query block, K / b times
     the size of k and v, so nothing gathered is kept for the backward: it saves q, k, v (the layer keeps them
     anyway), its own output (which the layer's output projection keeps anyway) and each row's log-sum-exp
-    (one number per row; the g global rows keep a second, from their call over all keys). Not even the layout is kept: chunks() builds it again in the backward from the
-    random blocks it was drawn from (H m r numbers). The backward gathers each chunk's keys and values again and
-    runs the fused kernel's backward on them (_chunk_backward), adding every chunk's gradients into ONE
-    buffer per q, k, v (autograd's own index_select backward would zero-fill a full-size gradient per chunk,
-    O(n^2) in all). So memory is O(n d), like dense fused attention's, and time is linear in n.
+    (one number per row; the g global rows keep a second, from their call over all keys). Not even the
+    layout is kept: chunks() builds it again in the backward from the random blocks it was drawn from
+    (H m r numbers). The backward gathers each chunk's keys and values again and runs the fused kernel's
+    backward on them (_chunk_backward), adding every chunk's gradients into ONE buffer per q, k, v
+    (autograd's own index_select backward would zero-fill a full-size gradient per chunk, O(n^2) in all).
+    So memory is O(n d), like dense fused attention's, and time is linear in n.
 
     Two kinds of rows get no gradient from their chunk: the g global rows (their block results are replaced)
     and rows with no valid key (set to 0). Their output gradient is zeroed before the kernel's backward; with
@@ -287,8 +288,8 @@ class FusedSparseAttention(torch.autograd.Function):
             _put_chunk_rows(out, oc.view(B, H, mc, -1, d), n, b, i * step)
             lses.append(lse)
         if g > 0:                            # methods.md §2.1: global rows attend to every key; replace their block rows
-            og, lse = _chunk_forward(q[:, :, :g], k, v, _mask_bias(real[:, None, None, :], q.dtype))  # [B, H, g, d]
-            out[:, :, :g] = og.masked_fill(~real.any(-1)[:, None, None, None], 0.0)  # no valid key: 0
+            og, lse = _chunk_forward(q[:, :, :g], k, v, _mask_bias(real[:, None, None, :], q.dtype))  # [B,H,g,d]
+            out[:, :, :g] = og.masked_fill(~real.any(-1)[:, None, None, None], 0.0)         # no valid key: 0
             lses.insert(0, lse)                                                     # the global rows' first
         ctx.save_for_backward(q, k, v, out, real, *[t for t in lses if t is not None])
         ctx.sizes, ctx.chunks = (n, b, g), chunks
@@ -349,7 +350,7 @@ def _put_chunk_rows(out, oc, n, b, start):
         out[:, :, n + start:n + start + mc] = oc[:, :, :, b]
 
 
-@torch.compiler.disable   # off the CPU its backward calls torch.autograd.grad (_chunk_backward), which dynamo does not trace
+@torch.compiler.disable   # off the CPU its backward calls torch.autograd.grad (_chunk_backward): dynamo can't trace it
 def _stage1_fused(q, k, v, n, b, g, real, layout):
     """Stage 1 without dropout by FusedSparseAttention, in chunks of query blocks. q, k, v [B, H, L, d],
     real [B, L]; layout() -> (kidx_flat [H, m, K] (flat_index), ok [B, H, m, bq or 1, K]), called in the
