@@ -160,6 +160,8 @@ def fmt_diff(xs, ys, scale=100.0):
     """'+1.2 [-0.3, +2.7]': the paired difference and its 95% CI, in points; '-' for the baseline itself."""
     if xs is ys:
         return "(baseline)"
+    if len(xs) == len(ys) == 1:                  # a grid run with one --seeds value: no interval to give
+        return f"{(ys[0] - xs[0]) * scale:+.1f} (one seed: no interval)"
     m, h = paired_ci([x * scale for x in xs], [y * scale for y in ys])
     return f"{m:+.1f} [{m - h:+.1f}, {m + h:+.1f}]"
 

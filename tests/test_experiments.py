@@ -27,6 +27,7 @@ def test_paired_ci_by_hand():
     assert (m, h) == (pytest.approx(1.0), pytest.approx(0.0))
     xs = [0.8, 0.9]
     assert experiments.fmt_diff(xs, xs) == "(baseline)"
+    assert experiments.fmt_diff([0.80], [0.83]) == "+3.0 (one seed: no interval)"   # a one-seed table still writes
     with pytest.raises(ValueError):
         experiments.paired_ci([1.0], [2.0])                          # one seed: no interval
     with pytest.raises(ValueError):
