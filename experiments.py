@@ -157,7 +157,8 @@ def paired_ci(xs, ys):
 
 
 def fmt_diff(xs, ys, scale=100.0):
-    """'+1.2 [-0.3, +2.7]': the paired difference and its 95% CI, in points; '-' for the baseline itself."""
+    """'+1.2 [-0.3, +2.7]': the paired difference and its 95% CI, in points; '(baseline)' for the baseline
+    itself; with one seed the difference alone."""
     if xs is ys:
         return "(baseline)"
     if len(xs) == len(ys) == 1:                  # a grid run with one --seeds value: no interval to give

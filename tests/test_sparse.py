@@ -201,29 +201,25 @@ def test_backward(hst):
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 def test_no_quadratic_tensor(monkeypatch, dropout_p):
     """Every score matrix in the kernel is block-sized: no matmul result, and no fused attention call whose
-    (implied) scores, have two sides of length n. Without dropout the kernel runs through SDPA, with dropout
-    through matmul: both paths are checked."""
+    (implied) scores, have two sides of length n. Without dropout every attention call goes through
+    sparse._chunk_forward (the fused kernel: ATen's CPU flash op, elsewhere SDPA), with dropout through
+    matmul: both paths are checked."""
     import sparse
     n, b = 512, 16
     q, k, v = (torch.randn(1, 1, n, 8) for _ in range(3))
     biggest = []
-    real_matmul, real_sdpa, real_chunk = torch.matmul, F.scaled_dot_product_attention, sparse._chunk_forward
+    real_matmul, real_chunk = torch.matmul, sparse._chunk_forward
 
     def spy_matmul(x, y):
         out = real_matmul(x, y)
         biggest.append(out.numel())
         return out
 
-    def spy_sdpa(q_, k_, v_, **kw):
+    def spy_chunk(q_, k_, v_, bias):
         biggest.append(q_.shape[:-1].numel() * k_.shape[-2])        # the scores it computes, tile by tile
-        return real_sdpa(q_, k_, v_, **kw)
-
-    def spy_chunk(q_, k_, v_, bias):                 # the no-dropout kernel's fused calls (CPU: not via F.sdpa)
-        biggest.append(q_.shape[:-1].numel() * k_.shape[-2])
         return real_chunk(q_, k_, v_, bias)
 
     monkeypatch.setattr(torch, "matmul", spy_matmul)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
     monkeypatch.setattr(sparse, "_chunk_forward", spy_chunk)
     block_sparse_attention(q, k, v, block_size=b, window=1, num_global=1, num_random=2,
                            generator=torch.Generator().manual_seed(0), dropout_p=dropout_p)
