@@ -269,7 +269,7 @@ def renormalized_drop(A, Z, tau, constant_sum):
 
     A row whose keys are all dropped (or a padding row, all A = 0) gives A' = 0: its sum is replaced by 1, so
     no gradient is divided by 0."""
-    kept = A.float() * keep_mask(Z, tau)                                         # A k, [.., Q, K]
+    kept = A * keep_mask(Z, tau)                     # A k, [.., Q, K], at least float32 (k is; float64 stays)
     mass = kept.sum(-1, keepdim=True)                                            # sum_j A_ij k_ij, [.., Q, 1]
     mass = torch.where(mass.detach() > 0, mass, torch.ones_like(mass))
     if constant_sum:
