@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import data
+import tasks
 import train
+from helpers import train_args
 from model import load_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,10 +81,10 @@ def read_log(out):
 
 @pytest.mark.parametrize("attention", ["dense", "sparse", "hst"])
 def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
-    """train.evaluate batches the dev set longest first (data.longest_first); its scores must equal those of a
+    """The classifier's evaluation (tasks.classification_evaluate, train.py's r.kind.evaluate) batches the dev set longest first (data.longest_first); its scores must equal those of a
     pass with batch size 1, where no example has padding beside it. A regression head: its Pearson and
     Spearman correlations move with any change of a score or any score paired with the wrong label."""
-    from argparse import Namespace
+    from types import SimpleNamespace
     from model import Config, Model
     torch.manual_seed(0)
     model = Model(Config(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48,
@@ -96,10 +98,10 @@ def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
     dev = [data.Example([0] + [rng.randrange(3, 40) for _ in range(rng.randint(2, 30))] + [2], None, rng.random())
            for _ in range(40)]
     task = data.TaskData([], {"dev": dev}, 1, True, "pearson", [])
-    tok = Namespace(pad_id=1)
+    tok = SimpleNamespace(pad_id=1)                  # all the evaluation reads of a tokenizer
     for shift in ([0, 1] if attention != "dense" else [0]):
-        one = train.evaluate(model, task, Namespace(task="stsb", batch_size=1), torch.device("cpu"), tok, shift)
-        batched = train.evaluate(model, task, Namespace(task="stsb", batch_size=16), torch.device("cpu"), tok, shift)
+        one = tasks.classification_evaluate(model, task, train_args("--task", "stsb", "--batch-size", "1"), torch.device("cpu"), tok, shift)
+        batched = tasks.classification_evaluate(model, task, train_args("--task", "stsb", "--batch-size", "16"), torch.device("cpu"), tok, shift)
         for k in ("pearson", "spearman"):
             assert batched["dev"][k] == pytest.approx(one["dev"][k], abs=1e-6), (shift, k)
 
