@@ -24,7 +24,8 @@ D = H * DH
 
 def make_config(**kw):
     cfg = dict(attn_dropout="attendout", attn_dropout_p=0.1, num_heads=H, hidden_size=D, gnet_dim=4,
-               gnet_tau=0.5, gnet_budget=None, schedule="", num_layers=3)
+               gnet_tau=0.5, gnet_budget=None, schedule="", num_layers=3, gnet_mask="inverted",
+               gnet_max_pi=0.5, gnet_reverse=True, gnet_budget_scope="mean")
     cfg.update(kw)
     return types.SimpleNamespace(**cfg)
 
@@ -237,12 +238,13 @@ def test_budget_step_lands_on_rho():
 
 def test_budget_shift_solves_the_mean_of_a_histogram():
     hist = torch.zeros(2, ao.Z_BINS, dtype=torch.float64)
-    hist[0, 10], hist[0, 200], hist[1, 128] = 5, 5, 1          # a spread layer and a flat one
+    k1, k2, k3 = (ao.Z_BINS * k // 512 for k in (10, 200, 128))  # logits -31.4, -19.5, -24.0 at any bin count
+    hist[0, k1], hist[0, k2], hist[1, k3] = 5, 5, 1          # a spread layer and a flat one
     delta = ao.shift_for_rate(hist, 0.2).item()
     width = 2 * ao.Z_RANGE / ao.Z_BINS
     c = lambda k: -ao.Z_RANGE + width * (k + 0.5)
     sig = lambda z: 1 / (1 + math.exp(-z))
-    got = (0.5 * (sig(c(10) + delta) + sig(c(200) + delta)) + sig(c(128) + delta)) / 2
+    got = (0.5 * (sig(c(k1) + delta) + sig(c(k2) + delta)) + sig(c(k3) + delta)) / 2
     assert got == pytest.approx(0.2, abs=1e-5)                   # the grid search's precision: 32 / 64^3
 
 
