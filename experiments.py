@@ -53,7 +53,7 @@ def run_train(args_list, out, threads, log_dir, dry_run=False):
     dry_run: the command is only printed)."""
     final = os.path.join(out, "final.json")
     if not os.path.exists(final):
-        cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite"]
+        cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite", "--threads", str(threads)]
         print("$ " + " ".join(cmd), flush=True)
         if dry_run:
             return None
@@ -468,7 +468,7 @@ def main(argv=None):
     ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "attendout-ablation", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads; OMP_NUM_THREADS too)")
     ap.add_argument("--out", default=None, help="where the runs go (default out/experiments, out/pretrained-*)")
     ap.add_argument("--docs", default="docs", help="where the tables (results_*.md / .json) and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),

@@ -206,19 +206,19 @@ def training_texts(name, data_dir, **files):
     return texts(name, data_dir, **files)
 
 
-def show_metrics(name, metrics):
-    """{metric: value} as the console shows it: "acc 83.4%, f1 81.0%" (fractions in percent), "mcc 0.512",
-    "loss 2.3456"; an --eval-shift copy keeps its "_shifted" suffix."""
+def show_value(name, metric, v):
+    """One metric's value as the console shows it: "83.4%" for the task's fractions (acc, F1; SQuAD's EM / F1 are
+    percent already), "0.5120" for the others (MCC, correlations, loss), a count as it is. An --eval-shift copy
+    (metric "acc_shifted") is shown as its metric."""
     k = kind(name)
-    parts = []
-    for m, v in metrics.items():
-        if m.removesuffix("_shifted") in k.percent:
-            parts.append(f"{m} {v * k.scale:.1f}%")
-        elif isinstance(v, int):
-            parts.append(f"{m} {v}")
-        else:
-            parts.append(f"{m} {v:.4f}")
-    return ", ".join(parts)
+    if metric.removesuffix("_shifted") in k.percent:
+        return f"{v * k.scale:.1f}%"
+    return f"{v}" if isinstance(v, int) else f"{v:.4f}"
+
+
+def show_metrics(name, metrics):
+    """{metric: value} -> "acc 83.4%, acc_shifted 80.2%" (show_value for each)."""
+    return ", ".join(f"{m} {show_value(name, m, v)}" for m, v in metrics.items())
 
 
 # -----------------------------------------------------------------------------

@@ -49,6 +49,9 @@ DEMO = ["--task", "listops", "--init", "scratch", "--out", "out/demo", "--overwr
         "--attention", "hst", "--block-size", "8", "--sar", "1.0", "--attn-dropout", "attendout",
         "--epochs", "10", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "200"]
 DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60, max_depth=3, max_args=4, seed=0)
+# --threads 0 on the CPU: one thread for a model smaller than this (parameters), whose operations are too small to
+# split and which another job on the machine would slow down; every core this process may use for a larger one.
+SMALL_MODEL = 20e6
 
 
 # -----------------------------------------------------------------------------
@@ -99,6 +102,9 @@ def make_parser():
     g = ap.add_argument_group("device")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--threads", type=int, default=0,
+                   help=f"CPU threads for torch (0: 1 for a model under {SMALL_MODEL / 1e6:g}M parameters, else every core "
+                        "this process may use). The count moves the last bits of the results: give it to reproduce a run")
     g.add_argument("--ffn-chunk", type=int, default=None,
                    help="feed-forward on this many positions at a time (same result; faster on long inputs on CPU)")
 
@@ -214,6 +220,17 @@ def read_init(args):
     except CheckpointError as e:
         fail(f"--init: {e}")
     return cfg, state, tok_files
+
+
+def choose_threads(args, model, device):
+    """--threads, or (0) a sensible count: 1 for a small model on the CPU (the demo: 21 s per 100 steps on one
+    thread against 69-79 s on two while other jobs shared the 2 cores), every core this process may use for a
+    larger one. On a GPU, torch's own default unless --threads is given. Returns the count in use."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(1 if model.num_params() < SMALL_MODEL else len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()
 
 
 def method_overrides(args):
@@ -373,6 +390,7 @@ class Run:
     `state` is the part that ckpt_last.pt saves (with the weights, AdamW and the RNGs): the step, the epoch and
     the position in it, the best dev score so far, the last dev metrics, skipped batches, wall time."""
     args = rank = world = device = tok = kind = task = raw = model = optimizer = None   # kind: tasks.TASKS[--task]
+    threads = 0                  # CPU threads in use (--threads, choose_threads)
     total = warmup = per_epoch = 0
     state = None
     paths = None                 # log.jsonl, droprates.jsonl, ckpt_last.pt, ckpt_best.pt inside --out
@@ -406,6 +424,7 @@ def setup(args):
              else make_model(args, r.tok, r.task, init))
     init = None                                   # free the --init state dict
     check_flags(args, r.raw.cfg, r.task)
+    r.threads = choose_threads(args, r.raw, r.device)
     r.raw.to(r.device)
     if r.task.num_labels > 0:
         r.raw.mlm.requires_grad_(False)           # heads that this task does not train stay out of the optimizer
@@ -438,13 +457,29 @@ def setup(args):
     if resumed:
         restore(r, resumed)
     if is_main():
-        t = r.task
-        print(f"task {args.task}: {len(t.train)} train examples, dev {', '.join(f'{k} {len(v)}' for k, v in t.dev.items())}; "
-              f"model {r.raw.num_params() / 1e6:.2f}M parameters, attention {r.raw.cfg.attention}, "
-              f"attn-dropout {r.raw.cfg.attn_dropout}; {r.total} steps on {r.device}"
-              + (f" x {r.world} processes" if r.world > 1 else "")
-              + (f"; resuming at step {r.state['step']}" if args.resume else ""), flush=True)
+        print(opening_line(r), flush=True)
     return r
+
+
+def opening_line(r):
+    """The run in one line: task and data sizes | model | method | steps, device, threads (and resume)."""
+    args, t, c = r.args, r.task, r.raw.cfg
+    dev = " + ".join(f"{len(v)} {k}" for k, v in t.dev.items()) or "no dev"
+    origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
+    dropout = {"attendout": "AttendOut attention dropout", "none": "no attention dropout",
+               "standard": f"attention dropout {c.attn_dropout_p:g}",
+               "scheduled": f"scheduled attention dropout ({c.schedule})"}[c.attn_dropout]
+    method = [f"{c.attention} attention", dropout]
+    if args.sar > 0:
+        method.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
+    elif args.rdrop > 0:
+        method.append(f"R-Drop alpha {args.rdrop:g}")
+    where = f"{r.total} steps on {r.device}" + (f" x {r.world} processes" if r.world > 1 else "")
+    if r.device.type == "cpu":
+        where += f", {r.threads} CPU thread{'s' if r.threads > 1 else ''} (--threads)"
+    return (f"task {args.task}: {len(t.train)} train / {dev} examples | model {r.raw.num_params() / 1e6:.2f}M "
+            f"parameters ({c.num_layers} layer{'s' if c.num_layers > 1 else ''}, hidden {c.hidden_size}, {origin}) | {', '.join(method)} | {where}"
+            + (f"; resuming at step {r.state['step']}" if args.resume else ""))
 
 
 def read_resume(args):
@@ -610,13 +645,14 @@ def log_step(r, step, numbers, meter, bar, use_bar):
 def console_parts(numbers, args):
     """The loss as the reader should see it: task loss, consistency term and drop rate apart, not only summed."""
     shown = []
-    if "ce" in numbers:          # SAR / R-Drop: loss = ce + alpha * consistency
+    if "ce" in numbers:          # SAR / R-Drop: loss = ce + alpha x consistency, written out as that sum
         alpha = args.sar if args.sar > 0 else args.rdrop
-        shown += [f"ce {numbers['ce']:.4f}", f"consistency {numbers['consistency']:.4f} (x{alpha:g})"]
+        shown.append(f"loss {numbers['loss']:.4f} = ce {numbers['ce']:.4f} + alpha {alpha:g} x "
+                     f"{'SAR' if args.sar > 0 else 'R-Drop'} consistency {numbers['consistency']:.4f}")
     else:
         shown.append(f"loss {numbers['loss']:.4f}")
     if "drop" in numbers:        # AttendOut: the mean drop rate the budget holds
-        shown.append(f"drop {numbers['drop']:.3f}")
+        shown.append(f"drop rate {numbers['drop']:.3f}")
     return shown
 
 
@@ -637,7 +673,7 @@ def evaluate_and_keep_best(r, step, bar):
     if (state["best"] is None or score > state["best"]) and weights_finite(r.raw):
         state["best"], state["best_step"] = score, step
         save_checkpoint(r.paths["ckpt_best.pt"], r.raw, r.tok, r.optimizer, state, args, [rng_state()])
-    bar.write(f"step {step}: dev {json.dumps(metrics)}")
+    bar.write(f"step {step}: " + "; ".join(f"{split} {tasks.show_metrics(args.task, m)}" for split, m in metrics.items()))
 
 
 def save_last(r, meter):
@@ -683,13 +719,14 @@ def report(r):
         json.dump(final, f, indent=1)
     line = f"done in {state['wall']:.0f}s, {state['step']} steps"
     name = task.metric_name
+    show = lambda v: tasks.show_value(args.task, name, v)              # "34.8%", "0.5120" (mcc, loss)
     if metrics:
         split = next(iter(metrics))
-        line += f": dev {name} {metrics[split][name]:.4f} at the last step"
+        line += f": {split} {name} {show(metrics[split][name])} at the last step"
         if final["best_dev"] is not None:
-            line += f", best {final['best_dev']:.4f} at step {final['best_step']}"
+            line += f", best {show(final['best_dev'])} at step {final['best_step']}"
     if final["majority_baseline"] is not None:
-        line += f" (majority-class baseline: {name} {final['majority_baseline']:.4f})"
+        line += f" (majority-class baseline: {name} {show(final['majority_baseline'])})"
     print(line + f"; results in {r.paths['final.json']}")
 
 
