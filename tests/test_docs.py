@@ -1,6 +1,7 @@
 """The documents point at things that exist: every `module.name` that README.md and docs/*.md cite (in backticks)
-is defined in the code, and every methods.md section reference (methods.md §N, §N.M, or a link
-docs/methods.md#anchor), in the documents and in the code's comments, names a heading of docs/methods.md.
+(and every `Class.name` of a project class) is defined in the code, and every methods.md section reference
+(methods.md §N, §N.M, or a link to a heading of docs/methods.md), in the documents and in the code's comments,
+names a heading of docs/methods.md.
 
 A rename in the code without the documents fails here, naming the document, the line and the stale pointer.
 Run: python -m pytest tests/test_docs.py -q
@@ -20,6 +21,7 @@ DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.pat
 CODE = [m + ".py" for m in MODULES] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "*.py")))
 # `module.name` inside a backtick span, e.g. `sparse.key_layout`, `attendout.AttendOut.hook(...)`, `train.py`
 CITED = re.compile(r"\b(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+CLASS_CITED = re.compile(r"(?<![\w.])([A-Z]\w*)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")   # `GNet.logits`, not `x.GNet`
 SECTION = re.compile(r"§(\d+(?:\.\d+)*)")
 ANCHOR = re.compile(r"methods\.md#([\w-]+)")
 
@@ -41,13 +43,60 @@ def inline_code(text):
     return out
 
 
-def cited_names(path):
-    """[(line, "module.name")] that a document cites; "module.py" (a file) and "module.md" are not names."""
+def project_class(name):
+    """The module that defines class `name`, or None (then `Name.x` is not ours: torch's, a paper's notation)."""
+    for module in MODULES:
+        obj = getattr(importlib.import_module(module), name, None)
+        if inspect.isclass(obj) and obj.__module__ == module:
+            return module
+    return None
+
+
+def code_lists(text):
+    """[(line, "module.name")] of the "Code: `file.py`: `name`, `Class.name` ..." lists of a paragraph: a bare
+    name there belongs to the last `file.py` before it. Spans inside parentheses are notes (`Z`, flag values), not
+    names of that file; the list ends with its sentence."""
     found = []
+    lines = text.splitlines()
+    start = 0
+    for end in [i for i, line in enumerate(lines) if not line.strip()] + [len(lines)]:
+        para = "\n".join(lines[start:end])
+        first = start + 1
+        start = end + 1
+        at = para.find("Code:")
+        if at < 0:
+            continue
+        module, depth, i = None, 0, at
+        while i < len(para):
+            c = para[i]
+            if c == "`":
+                close = para.index("`", i + 1)
+                span, i = para[i + 1:close], close + 1
+                if span.endswith(".py") and span[:-3] in MODULES:
+                    module = span[:-3]
+                elif (module and depth == 0 and span.split(".")[0] not in MODULES
+                      and re.fullmatch(r"[A-Za-z_]\w+(?:\.[A-Za-z_]\w*)*", span)):
+                    found.append((first + para.count("\n", 0, i), f"{module}.{span}"))
+                continue
+            depth += (c == "(") - (c == ")")
+            if c == "." and depth == 0 and para[i + 1:i + 2] in (" ", "\n", ""):
+                module = None                               # the sentence, and the list, ends
+            i += 1
+    return found
+
+
+def cited_names(path):
+    """[(line, "module.name")] that a document cites: `module.name...`, `Class.name...` of a project class (as
+    module.Class.name), and the names of "Code:" lists; "module.py" (a file) and "module.md" are not names."""
+    found = code_lists(read(path))
     for n, span in inline_code(read(path)):
         for module, dotted in CITED.findall(span):
             if dotted.split(".")[0] not in ("py", "md", "json", "jsonl", "tsv", "pt"):
                 found.append((n, f"{module}.{dotted}"))
+        for cls, dotted in CLASS_CITED.findall(span):
+            module = project_class(cls)
+            if module is not None:
+                found.append((n, f"{module}.{cls}.{dotted}"))
     return found
 
 
@@ -125,3 +174,4 @@ def test_the_checks_see_the_documents():
     assert len(section_refs("README.md")) > 5
     assert not resolves("sparse.no_such_function") and resolves("sparse.key_layout")
     assert resolves("model.Model.cls") and not resolves("model.Model.no_such_attribute")   # set in __init__
+    assert project_class("GNet") == "attendout" and project_class("Tensor") is None
