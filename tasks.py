@@ -133,8 +133,7 @@ def mlm_evaluate(raw, task, args, device, tok, shift_by=0):
                                         vocab_size=tok.vocab_size, special_ids=special_ids(tok), generator=g)
             with autocast(device):
                 logits = raw.mlm_logits(ids.to(device), batch["attention_mask"])
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), lab.to(device).flatten(),
-                                          ignore_index=-100).item())
+            losses.append(masked_lm_ce(logits, lab.to(device)).item())
         out[split] = {"loss": float(np.mean(losses)), "ppl": float(math.exp(min(np.mean(losses), 50)))}
     raw.train()
     return out
