@@ -23,6 +23,7 @@ How to run it:
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
