@@ -397,8 +397,9 @@ def run(args):
     # Reading guide. A run is three calls:
     #   setup(args)   what to train on and what to train: tokenizer and task data (section 2), the model from a
     #                 checkpoint or from scratch, the optimizer and the step count (section 3);
-    #   train(r)      the loop: train_step (forward, loss of section 4, backward, clip, AdamW, AttendOut's
-    #                 budget), then logging, evaluation (ckpt_best.pt) and ckpt_last.pt on their schedules;
+    #   train(r)      the loop: train_step (forward and the task's loss, r.kind.loss from tasks.py; backward,
+    #                 clip, AdamW, AttendOut's budget), then logging, evaluation (r.kind.evaluate; ckpt_best.pt)
+    #                 and ckpt_last.pt on their schedules;
     #   report(r)     final.json and the last line: the final and best dev score beside the majority class.
     r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
     train(r)                     # the loop; returns when the last step is done or a stop was asked for
