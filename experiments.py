@@ -60,7 +60,7 @@ def run_train(args_list, out, threads, log_dir, dry_run=False):
     dry_run: the command is only printed)."""
     final = os.path.join(out, "final.json")
     if not os.path.exists(final):
-        cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite"]
+        cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite", "--threads", str(threads)]
         print("$ " + " ".join(cmd), flush=True)
         if dry_run:
             return None
@@ -220,7 +220,7 @@ def setting_flags(a, ds, setting):
 
 def eval_shifts(run_dir, shifts, threads):
     """Dev accuracy of a run's final weights (ckpt_last.pt) under each topology shift (0 = original), cached in
-    shifts.json: {"0": acc, "1": acc, ...}. Uses train.evaluate, the function train.py's --eval-shift calls."""
+    shifts.json: {"0": acc, "1": acc, ...}. Uses the task's evaluate (tasks.py), the function train.py's --eval-shift calls."""
     path = os.path.join(run_dir, "shifts.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -230,18 +230,17 @@ def eval_shifts(run_dir, shifts, threads):
     import argparse as _ap
     import torch
     import data
-    import train
+    import tasks
     from model import build_model, read_checkpoint
     torch.set_num_threads(threads)
     cfg, state, tok_files, ckpt = read_checkpoint(os.path.join(run_dir, "ckpt_last.pt"))
     args = _ap.Namespace(**ckpt["args"])
     tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
-    task = data.load_task(args.task, args.data, tok, max_len=args.max_len, text_col=args.text_col,
-                          text_pair_col=args.text_pair_col, label_col=args.label_col, train_file=args.train_file,
-                          dev_file=args.dev_file)
+    task = tasks.load_task(args.task, args.data, tok, max_len=args.max_len, **tasks.files_and_columns(args))
     model = build_model(cfg, state, run_dir)
     device = torch.device("cpu")
-    accs = {str(s): train.evaluate(model, task, args, device, tok, shift_by=s)["dev"]["acc"] for s in shifts}
+    evaluate = tasks.kind(args.task).evaluate
+    accs = {str(s): evaluate(model, task, args, device, tok, shift_by=s)["dev"]["acc"] for s in shifts}
     with open(path, "w") as f:
         json.dump(accs, f)
     return accs
@@ -534,7 +533,7 @@ def main(argv=None):
                                            "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads; OMP_NUM_THREADS too)")
     ap.add_argument("--out", default=None, help="where the runs go (default out/experiments, out/pretrained-*)")
     ap.add_argument("--docs", default="docs", help="where the tables (results_*.md / .json) and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -46,6 +47,11 @@ def resolve_device(name):
     if name.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {name}: CUDA is not available here")
     return torch.device(name)
+
+
+def autocast(device):
+    """Forward passes in bf16 autocast on CUDA, fp32 (no autocast) on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
 def setup_distributed(args):
