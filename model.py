@@ -168,6 +168,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)      # W_o
         self.drop = make_attn_dropout(cfg, layer_idx)                # standard / none / attendout / scheduled
         self.step_frac = 0.0                                         # training progress, for scheduled dropout
+        self.eval_draw = 0                                           # which eval draw of random blocks (Model.set_eval_draw)
 
     def dropout_plan(self, x):
         """(plain Bernoulli rate, drop_fn) for this forward: nothing in eval, G-Net's hook for AttendOut."""
@@ -178,11 +179,12 @@ class Attention(nn.Module):
         return self.drop.rate(self.step_frac), None
 
     def eval_generator(self, device):
-        """Random blocks are drawn afresh in training; in eval from a fixed per-layer seed (methods.md §2.1)."""
+        """Random blocks are drawn afresh in training; in eval from a fixed seed per (layer, eval_draw) (methods.md
+        §2.1): draw 0 is the model's own topology, draws 1, 2, ... other ones (train.py --eval-redraw)."""
         if self.training or self.cfg.num_random == 0:
             return None
         g = torch.Generator(device=device)
-        g.manual_seed(1_000_003 * (self.layer_idx + 1))
+        g.manual_seed(1_000_003 * (self.layer_idx + 1) + 1_000_000_007 * self.eval_draw)   # distinct per (layer, draw)
         return g
 
     def forward(self, x, key_mask, kernel, views=1):
@@ -438,6 +440,11 @@ class Model(nn.Module):
         """Tell scheduled dropout how far training is (0 .. 1)."""
         for layer in self.layers:
             layer.attn.step_frac = float(step_frac)
+
+    def set_eval_draw(self, draw):
+        """Evaluate with another fixed draw of the random blocks (0: the usual one; train.py --eval-redraw)."""
+        for layer in self.layers:
+            layer.attn.eval_draw = int(draw)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

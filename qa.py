@@ -210,12 +210,6 @@ def span_loss(logits, labels, attention_mask):
     return 0.5 * (F.cross_entropy(logits[..., 0], labels[:, 0]) + F.cross_entropy(logits[..., 1], labels[:, 1]))
 
 
-def unshift(logits, shift_by):
-    """Span logits of a shifted view (sar.shift: shift_by tokens inserted after the first) back on the original
-    positions: drop the inserted ones. [B, L + s, 2] -> [B, L, 2]."""
-    return torch.cat([logits[:, :1], logits[:, 1 + shift_by:]], dim=1) if shift_by else logits
-
-
 def loss(model, batch, args, task, tok):
     """The training loss (tasks.TASKS["squad"]): the span loss, with SAR / R-Drop if asked (logged apart as ce and
     consistency)."""
@@ -232,7 +226,7 @@ def sar_span_loss(model, batch, alpha, shift_by):
     z1, z2 = sar.two_views(model, batch, shift_by)                     # [B, L + s, 2] each
     mask = batch["attention_mask"]
     L = mask.size(1)
-    z1, z2 = z1[:, :L], unshift(z2, shift_by)                           # both [B, L, 2], the same positions
+    z1, z2 = z1[:, :L], sar.unshift(z2, shift_by)                           # both [B, L, 2], the same positions
     ce = 0.5 * (span_loss(z1, batch["labels"], mask) + span_loss(z2, batch["labels"], mask))
     pad = ~mask.bool().unsqueeze(-1)
     z1, z2 = z1.float().masked_fill(pad, -1e4), z2.float().masked_fill(pad, -1e4)
@@ -273,7 +267,7 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
             if shift_by:
                 ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
             with autocast(device):
-                logits = unshift(raw(ids, mask, types, pos), shift_by).float().cpu().numpy()    # [B, L, 2]
+                logits = sar.unshift(raw(ids, mask, types, pos), shift_by).float().cpu().numpy()    # [B, L, 2]
             for z in logits:
                 ex = examples[i]
                 i += 1

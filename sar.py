@@ -27,6 +27,12 @@ def shift(input_ids, attention_mask, shift=1, pad_id=1, position_ids=None, token
             None if token_type_ids is None else insert(token_type_ids, 0))
 
 
+def unshift(outputs, shift_by):
+    """Per-token outputs of a shifted view back on the original positions: drop the shift_by inserted after the
+    first token. [B, L + s, ...] -> [B, L, ...] (QA's span logits, masked LM's logits)."""
+    return torch.cat([outputs[:, :1], outputs[:, 1 + shift_by:]], dim=1) if shift_by else outputs
+
+
 def task_loss(logits, labels, regression=False):
     """Cross-entropy, or MSE for a 1-output regression head (methods.md §1)."""
     if regression:

@@ -120,7 +120,7 @@ def mlm_loss(model, batch, args, task, tok):
 @torch.no_grad()
 def mlm_evaluate(raw, task, args, device, tok, shift_by=0):
     """{split: {"loss", "ppl"}}: masked-LM loss on the dev text with fixed masks (one seed per batch), and its
-    perplexity. shift_by is not used (no topology-shift evaluation for masked LM)."""
+    perplexity. shift_by: the same masks with the topology shifted (sar.shift; logits put back, sar.unshift)."""
     raw.eval()
     out = {}
     for split, examples in task.dev.items():
@@ -131,8 +131,11 @@ def mlm_evaluate(raw, task, args, device, tok, shift_by=0):
             g = torch.Generator().manual_seed(len(losses))
             ids, lab = data.mask_tokens(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), mask_id=tok.mask_id,
                                         vocab_size=tok.vocab_size, special_ids=special_ids(tok), generator=g)
+            ids, mask, pos = ids.to(device), batch["attention_mask"], None
+            if shift_by:
+                ids, mask, pos, _ = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(batch["input_ids"]))
             with autocast(device):
-                logits = raw.mlm_logits(ids.to(device), batch["attention_mask"])
+                logits = sar.unshift(raw.mlm_logits(ids, mask, None, pos), shift_by)     # [B, L, V]
             losses.append(masked_lm_ce(logits, lab.to(device)).item())
         out[split] = {"loss": float(np.mean(losses)), "ppl": float(math.exp(min(np.mean(losses), 50)))}
     raw.train()
@@ -207,17 +210,26 @@ def training_texts(name, data_dir, **files):
 
 def show_value(name, metric, v):
     """One metric's value as the console shows it: "83.4%" for the task's fractions (acc, F1; SQuAD's EM / F1 are
-    percent already), "0.5120" for the others (MCC, correlations, loss), a count as it is. An --eval-shift copy
-    (metric "acc_shifted") is shown as its metric."""
+    percent already), "0.5120" for the others (MCC, correlations, loss), a count as it is."""
     k = kind(name)
-    if metric.removesuffix("_shifted") in k.percent:
+    if metric in k.percent:
         return f"{v * k.scale:.1f}%"
     return f"{v}" if isinstance(v, int) else f"{v:.4f}"
 
 
+# train.py's perturbed evaluations (--eval-shift, --eval-redraw), as the console names them
+PERTURBED = {"shift": "shifted", "redraw": "redrawn"}
+
+
 def show_metrics(name, metrics):
-    """{metric: value} -> "acc 83.4%, acc_shifted 80.2%" (show_value for each)."""
-    return ", ".join(f"{m} {show_value(name, m, v)}" for m, v in metrics.items())
+    """{metric: value} -> "acc 83.4%, f1 80.2%" (show_value for each), then each perturbed evaluation's mean and
+    worst: "acc 83.4% | shifted mean 82.9% worst 82.1%" (the metric's name too where there are several)."""
+    plain = lambda ms: ", ".join(f"{m} {show_value(name, m, v)}" for m, v in ms.items())
+    short = lambda ms: show_value(name, *next(iter(ms.items()))) if len(ms) == 1 else plain(ms)
+    parts = [plain({m: v for m, v in metrics.items() if m not in PERTURBED})]
+    parts += [f"{PERTURBED[p]} mean {short(metrics[p]['mean'])} worst {short(metrics[p]['worst'])}"
+              for p in PERTURBED if p in metrics]
+    return " | ".join(parts)
 
 
 # -----------------------------------------------------------------------------

@@ -95,7 +95,11 @@ def make_parser():
     g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end of each epoch)")
     g.add_argument("--save-every", type=int, default=500, help="write ckpt_last.pt every N steps (and at the end)")
     g.add_argument("--log-every", type=int, default=10, help="one log.jsonl line every N steps")
-    g.add_argument("--eval-shift", type=int, default=0, help="also evaluate with the topology shifted by N tokens (robustness)")
+    g.add_argument("--eval-shift", default="0",
+                   help="also evaluate with the topology shifted by N tokens (0 <= N < --block-size), or 'all': every "
+                        "shift 1 .. b-1, their mean and worst (methods.md §2.3)")
+    g.add_argument("--eval-redraw", type=int, default=0,
+                   help="also evaluate under K other draws of the random blocks (--num-random > 0), their mean and worst")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from ckpt_last.pt")
     g.add_argument("--overwrite", action="store_true", help="allow an --out folder that holds another run")
     g.add_argument("--skip-nonfinite", action="store_true", help="skip (and count) batches whose loss is NaN/inf instead of stopping")
@@ -242,8 +246,9 @@ def make_model(args, tok, task, init):
     """Model from --init (checkpoint values, then flag overrides) or from scratch (size flags)."""
     overrides = method_overrides(args)
     if init is None:
-        # BERT-style positions 0..L-1; room for the longest example plus SAR's inserted tokens
-        room = args.max_len + max(args.sar_shift, args.eval_shift, 0) + 1
+        # BERT-style positions 0..L-1; room for the longest example plus SAR's inserted tokens (an evaluation flag
+        # never changes the model: a shifted evaluation keeps every token's position, sar.shift)
+        room = args.max_len + max(args.sar_shift, 0) + 1
         cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                      intermediate_size=args.ffn, max_positions=room, type_vocab_size=2, pad_id=tok.pad_id,
                      layer_norm_eps=1e-12, position_style="bert", num_labels=task.num_labels, head=task.head)
@@ -294,6 +299,7 @@ def check_flags(args, cfg, task):
         fail("--sar / --rdrop need a classification or regression task, not mlm")
     if cfg.attn_dropout == "scheduled" and not cfg.schedule:
         fail("--attn-dropout scheduled needs --schedule FILE or linear:P_LOW:P_HIGH")
+    check_eval_perturbations(args, cfg)
     if (args.sar > 0) and cfg.attention == "dense":
         warn("--sar with dense attention has no effect: shifting moves no block boundary (the consistency term "
              "only sees dropout); use --attention sparse or hst")
@@ -306,6 +312,26 @@ def check_flags(args, cfg, task):
     model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
     if args.resume and model_flags:
         warn(f"--resume continues the run's own model: ignoring --{', --'.join(f.replace('_', '-') for f in model_flags)}")
+
+
+def check_eval_perturbations(args, cfg):
+    """--eval-shift ('all' or 0 <= N < b under sparse / hst; stored back as 'all' or an int) and --eval-redraw:
+    one error line naming the flag, before training; a warning where the perturbation changes nothing."""
+    v = str(args.eval_shift)
+    if v != "all" and not v.isdigit():
+        fail(f"--eval-shift {v}: give 'all' or a number of tokens >= 0")
+    args.eval_shift = v if v == "all" else int(v)
+    b, sparse = cfg.block_size, cfg.attention != "dense"
+    if sparse and v != "all" and args.eval_shift >= b:
+        fail(f"--eval-shift {v}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b}: a shift of b tokens "
+             "puts every block boundary back on a boundary)")
+    if args.eval_redraw < 0:
+        fail(f"--eval-redraw {args.eval_redraw}: give a number of draws >= 0")
+    if not sparse and args.eval_shift:
+        warn("--eval-shift with dense attention: shifting moves no block boundary, so the shifted score repeats the "
+             "original" + (" (all: only s = 1 is scored)" if v == "all" else ""))
+    if args.eval_redraw and (not sparse or cfg.num_random == 0):
+        warn("--eval-redraw has no effect without random blocks (dense attention or --num-random 0): not scored")
 
 
 # -----------------------------------------------------------------------------
@@ -679,16 +705,13 @@ def console_parts(numbers, args):
 
 
 def evaluate_and_keep_best(r, step, bar):
-    """Dev metrics (rank 0; and with --eval-shift, again with the topology shifted), logged; a better main
-    metric writes ckpt_best.pt."""
+    """Dev metrics (rank 0; with --eval-shift / --eval-redraw, again under each perturbed topology), logged; a
+    better main metric (on the original topology) writes ckpt_best.pt."""
     args, task, state = r.args, r.task, r.state
     if not task.dev:
         return
     metrics = r.kind.evaluate(r.raw, task, args, r.device, r.tok)       # the task's metrics (tasks.py)
-    if args.eval_shift:
-        shifted = r.kind.evaluate(r.raw, task, args, r.device, r.tok, shift_by=args.eval_shift)
-        for split, m in shifted.items():
-            metrics[split].update({f"{k}_shifted": v for k, v in m.items()})
+    add_perturbed(r, metrics)
     append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
     state["dev"] = metrics
     score = main_metric(metrics, task)
@@ -696,6 +719,51 @@ def evaluate_and_keep_best(r, step, bar):
         state["best"], state["best_step"] = score, step
         save_checkpoint(r.paths["ckpt_best.pt"], r.raw, r.tok, r.optimizer, state, args, [rng_state()])
     bar.write(f"step {step}: " + "; ".join(f"{split} {tasks.show_metrics(args.task, m)}" for split, m in metrics.items()))
+
+
+def eval_shifts(args, cfg):
+    """The shifts --eval-shift scores: N alone, or (all) every s = 1 .. b-1; dense attention has no block
+    boundary to move, so there 'all' scores s = 1 alone (check_flags warns)."""
+    if args.eval_shift != "all":
+        return [args.eval_shift] if args.eval_shift else []
+    return [1] if cfg.attention == "dense" else list(range(1, cfg.block_size))
+
+
+def eval_redraws(args, cfg):
+    """The other random-block draws --eval-redraw scores (1 .. K; none without random blocks)."""
+    return list(range(1, args.eval_redraw + 1)) if cfg.attention != "dense" and cfg.num_random > 0 else []
+
+
+def add_perturbed(r, metrics):
+    """The dev metrics under each perturbed topology (methods.md §2.3): every shift of eval_shifts (sar.shift,
+    the task's evaluate(shift_by=s)) and every draw of eval_redraws (model.Model.set_eval_draw), added to each
+    split's metrics as metrics[split]["shift" / "redraw"] = {"by": {s: {metric: v}}, "mean": {..}, "worst": {..}}."""
+    args, raw = r.args, r.raw
+    score = lambda **kw: r.kind.evaluate(raw, r.task, args, r.device, r.tok, **kw)
+    runs = {"shift": {s: score(shift_by=s) for s in eval_shifts(args, raw.cfg)}, "redraw": {}}
+    try:
+        for k in eval_redraws(args, raw.cfg):
+            raw.set_eval_draw(k)
+            runs["redraw"][k] = score()
+    finally:
+        raw.set_eval_draw(0)
+    for kind, by in runs.items():
+        for split in (metrics if by else ()):
+            per = {str(p): m[split] for p, m in by.items()}
+            metrics[split][kind] = {"by": per, **summarise(per.values())}
+
+
+# lower is better for these metrics (masked LM), higher for every other
+LOWER_IS_BETTER = ("loss", "ppl")
+
+
+def summarise(runs):
+    """{"mean": {metric: mean}, "worst": {metric: worst}} over perturbed evaluations' metrics (counts skipped)."""
+    runs = list(runs)
+    names = [k for k, v in runs[0].items() if isinstance(v, float)]
+    worst = lambda k, vs: max(vs) if k in LOWER_IS_BETTER else min(vs)
+    return {"mean": {k: float(np.mean([m[k] for m in runs])) for k in names},
+            "worst": {k: worst(k, [m[k] for m in runs]) for k in names}}
 
 
 def save_last(r, meter):
