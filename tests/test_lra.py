@@ -14,7 +14,7 @@ import torch
 import data
 import lra
 import tasks
-from test_train import run_main
+from test_train import check_eval_shift_all, run_main
 from model import Config, Model, PairHead
 
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
@@ -236,6 +236,13 @@ def test_every_task_trains_end_to_end(folders, task, attention, tmp_path, capfd)
     if attention == "hst":
         log = [json.loads(line) for line in open(out / "log.jsonl")]
         assert any("consistency" in r for r in log)
+
+
+def test_eval_shift_all_on_the_pair_head(folders, tmp_path, capfd):
+    """LRA Retrieval's pairs (model.PairHead): both documents of a pair shifted, every shift s = 1 .. 15."""
+    argv = ["--task", "lra-retrieval", "--data", folders["lra-retrieval"], "--max-steps", "2", "--batch-size", "4",
+            "--max-len", MAX_LEN["lra-retrieval"], "--attention", "hst", "--block-size", "16", *TINY]
+    check_eval_shift_all(argv, tmp_path, capfd, range(1, 16), "acc")
 
 
 def test_bad_row_through_train_is_one_line(tmp_path, capfd):

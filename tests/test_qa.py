@@ -16,7 +16,7 @@ import data
 import qa
 import tasks
 from model import Config, Model, SpanHead
-from test_train import run_main
+from test_train import check_eval_shift_all, run_main
 
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
 
@@ -218,10 +218,19 @@ def test_squad_trains_end_to_end(attention, tmp_path, capfd):
     assert final["metric"] == "f1" and dev["questions"] == 8 and 0 <= dev["em"] <= dev["f1"] <= 100
     assert final["config"]["head"] == "span" and final["majority_baseline"] is None
     if attention == "hst":
-        assert "f1_shifted" in dev
+        assert list(dev["shift"]["by"]) == ["1"]
         assert any("consistency" in json.loads(line) for line in open(out / "log.jsonl"))
     task = tasks.load_task("squad", folder, data.load_tokenizer(str(out / "ckpt_last.pt")), max_len=int(max_len))
     assert (len(task.dev["dev"]) > 8) == (attention == "dense")                # windows only where the text is long
+
+
+def test_eval_shift_all_on_spans(tmp_path, capfd):
+    """QA's span head under every shift s = 1 .. 7 (the span logits put back on the original tokens, sar.unshift)."""
+    folder = write_squad_dir(str(tmp_path / "squad"))
+    argv = ["--task", "squad", "--data", folder, "--max-steps", "2", "--batch-size", "4", "--max-len", "64",
+            "--attention", "sparse", "--block-size", "8", "--vocab-size", "60", "--lr", "1e-3", *TINY]
+    final = check_eval_shift_all(argv, tmp_path, capfd, range(1, 8), "f1")
+    assert set(final["dev"]["dev"]["shift"]["worst"]) == {"em", "f1"}          # the count of questions is no score
 
 
 def test_answer_outside_context_through_train(tmp_path, capfd):

@@ -108,9 +108,13 @@ def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
 
 
 def test_console_shows_each_metric_in_its_unit():
-    """Fractions in percent (accuracy, F1), SQuAD's percent as it is, the others as numbers; --eval-shift's copy
-    ("acc_shifted") as its metric; the SAR step line names alpha and the consistency term."""
-    assert tasks.show_metrics("sst2", {"acc": 0.8345, "acc_shifted": 0.8}) == "acc 83.5%, acc_shifted 80.0%"
+    """Fractions in percent (accuracy, F1), SQuAD's percent as it is, the others as numbers; a perturbed
+    evaluation's mean and worst after a bar; the SAR step line names alpha and the consistency term."""
+    shifted = {"by": {"1": {"acc": 0.8}}, "mean": {"acc": 0.829}, "worst": {"acc": 0.821}}
+    assert tasks.show_metrics("sst2", {"acc": 0.834, "shift": shifted}) == "acc 83.4% | shifted mean 82.9% worst 82.1%"
+    two = {"mean": {"em": 50.0, "f1": 60.0}, "worst": {"em": 40.0, "f1": 55.0}}
+    assert (tasks.show_metrics("squad", {"em": 51.0, "f1": 61.0, "questions": 8, "redraw": two})
+            == "em 51.0%, f1 61.0%, questions 8 | redrawn mean em 50.0%, f1 60.0% worst em 40.0%, f1 55.0%")
     assert tasks.show_metrics("mrpc", {"f1": 0.9, "acc": 0.85}) == "f1 90.0%, acc 85.0%"
     assert tasks.show_metrics("cola", {"mcc": 0.512, "acc": 0.8}) == "mcc 0.5120, acc 80.0%"
     assert tasks.show_metrics("squad", {"em": 71.25, "f1": 80.5, "questions": 8}) == "em 71.2%, f1 80.5%, questions 8"
@@ -130,6 +134,86 @@ def test_threads_default_to_one_for_a_small_model():
     assert train.choose_threads(train_args(), small, cpu) == 1
     assert train.choose_threads(train_args(), large, cpu) == len(os.sched_getaffinity(0))
     assert train.choose_threads(train_args("--threads", "2"), small, cpu) == 2
+
+
+def test_perturbed_evaluation_scores_every_shift_and_draw():
+    """train.add_perturbed asks the task's evaluate for every shift s = 1 .. b-1 and, with the model set to each
+    other random-block draw 1 .. K, for the original topology; then sets the model back to draw 0. mean and
+    worst are over those evaluations (worst: the highest loss, the lowest of any other metric)."""
+    from types import SimpleNamespace
+    from model import Config, Model
+    model = Model(Config(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=16,
+                         attention="sparse", block_size=4, num_random=1))
+    calls = []
+
+    def evaluate(raw, task, args, device, tok, shift_by=0):
+        draw = raw.layers[0].attn.eval_draw
+        calls.append((shift_by, draw))
+        return {"dev": {"acc": 0.5 - 0.1 * shift_by - 0.01 * draw, "loss": 1.0 + shift_by + draw, "questions": 8}}
+
+    args = train_args("--eval-shift", "all", "--eval-redraw", "2")
+    train.check_eval_perturbations(args, model.cfg)
+    r = SimpleNamespace(args=args, raw=model, kind=SimpleNamespace(evaluate=evaluate), task=None, device=None, tok=None)
+    metrics = {"dev": {"acc": 0.5}}
+    train.add_perturbed(r, metrics)
+    assert calls == [(1, 0), (2, 0), (3, 0), (0, 1), (0, 2)]
+    assert model.layers[0].attn.eval_draw == 0
+    shift, redraw = metrics["dev"]["shift"], metrics["dev"]["redraw"]
+    assert list(shift["by"]) == ["1", "2", "3"] and list(redraw["by"]) == ["1", "2"]
+    assert shift["mean"] == {"acc": pytest.approx(0.3), "loss": pytest.approx(3.0)}       # counts are not averaged
+    assert shift["worst"] == {"acc": pytest.approx(0.2), "loss": 4.0}
+    assert redraw["worst"] == {"acc": pytest.approx(0.48), "loss": 3.0}
+
+
+def test_eval_draws_are_fixed_and_differ():
+    """In eval the random blocks come from a fixed seed per (layer, draw): the same draw gives the same output,
+    another draw (model.Model.set_eval_draw, --eval-redraw) another one."""
+    from model import Config, Model
+    torch.manual_seed(0)
+    model = Model(Config(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=16,
+                         attention="sparse", block_size=4, num_random=1, num_global=1, window=0)).eval()
+    ids = torch.randint(3, 40, (2, 64))
+    out = lambda: model.encode(ids)
+    first = out()
+    assert torch.equal(out(), first)
+    model.set_eval_draw(1)
+    assert not torch.allclose(out(), first)
+    model.set_eval_draw(0)
+    assert torch.equal(out(), first)
+
+
+def check_eval_shift_all(argv, out, capfd, shifts, metric):
+    """train.py with --eval-shift all against the same run without it (evaluating after every step): each
+    evaluation in log.jsonl and final.json holds every shift s in `shifts`, with their mean and worst, and
+    its numbers on the original topology are the plain run's (the perturbed evaluations change nothing else).
+    Returns the --eval-shift all run's final.json."""
+    finals, evals = {}, {}
+    for name, extra in (("plain", []), ("all", ["--eval-shift", "all"])):
+        code, stdout, err = run_main([*argv, "--out", str(out / name), "--eval-every", "1", *extra], capfd)
+        assert code == 0 and err == [], err
+        finals[name] = json.loads((out / name / "final.json").read_text())
+        evals[name] = [r["dev"] for r in read_log(out / name) if "dev" in r]
+    assert "| shifted mean " in stdout
+    assert len(evals["all"]) == len(evals["plain"]) >= 2 and finals["all"]["dev"] == evals["all"][-1]
+    for dev, plain in zip(evals["all"], evals["plain"]):
+        for split, m in dev.items():
+            shifted = m.pop("shift")
+            assert m == plain[split]                                       # the original topology: unchanged
+            assert list(shifted["by"]) == [str(s) for s in shifts]
+            by = [v[metric] for v in shifted["by"].values()]
+            assert shifted["mean"][metric] == pytest.approx(sum(by) / len(by))
+            assert shifted["worst"][metric] == min(by)
+    return finals["all"]
+
+
+def test_eval_shift_all_on_tsv_and_listops(listops_dir, tmp_path, capfd):
+    folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=40, n_dev=20)
+    tsv = tsv_args(folder, tmp_path / "x") + ["--max-steps", "2", "--batch-size", "8", "--attention", "hst",
+                                              "--block-size", "4"]
+    check_eval_shift_all(tsv, tmp_path / "tsv", capfd, range(1, 4), "acc")
+    listops = listops_args(listops_dir, tmp_path / "x", steps=2) + ["--attention", "sparse", "--block-size", "8",
+                                                                   "--num-random", "1"]
+    check_eval_shift_all(listops, tmp_path / "listops", capfd, range(1, 8), "acc")
 
 
 # -----------------------------------------------------------------------------
@@ -226,6 +310,8 @@ def only_line(err, prefix, words):
     (["--sar", "1.0"], "--sar with dense attention has no effect"),
     (["--attention", "sparse", "--block-size", "64"], "larger than the longest sequence"),
     (["--max-len", "8"], "were longer than --max-len 8 and were truncated"),
+    (["--eval-shift", "all"], "--eval-shift with dense attention: shifting moves no block boundary"),
+    (["--attention", "sparse", "--block-size", "8", "--eval-redraw", "2"], "--eval-redraw has no effect without random"),
 ])
 def test_warnings(listops_dir, tmp_path, capfd, extra, words):
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "w") + extra, capfd)
@@ -249,6 +335,14 @@ def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "b") + ["--sar", "1", "--rdrop", "1"], capfd)
     assert code == 2
     only_line(err, "error: ", "--sar and --rdrop are alternatives")
+    sparse = ["--attention", "sparse", "--block-size", "8"]
+    for bad, words in ((["--eval-shift", "8"], "--eval-shift 8: give 'all' or a shift in 0 .. 7 (--block-size 8"),
+                       (["--eval-shift", "al"], "--eval-shift al: give 'all' or a number of tokens"),
+                       (["--eval-shift", "-1"], "--eval-shift -1: give 'all' or a number of tokens"),
+                       (["--eval-redraw", "-1"], "--eval-redraw -1: give a number of draws")):
+        code, _, err = run_main(listops_args(listops_dir, tmp_path / "c") + sparse + bad, capfd)
+        assert code == 2 and not (tmp_path / "c" / "final.json").exists()
+        only_line(err, "error: ", words)
 
 
 def test_errors_on_init_and_out(listops_dir, tmp_path, capfd):
