@@ -149,7 +149,7 @@ def test_perturbed_evaluation_scores_every_shift_and_draw():
     def evaluate(raw, task, args, device, tok, shift_by=0):
         draw = raw.layers[0].attn.eval_draw
         calls.append((shift_by, draw))
-        return {"dev": {"acc": 0.5 - 0.1 * shift_by - 0.01 * draw, "loss": 1.0 + shift_by + draw, "questions": 8}}
+        return {"dev": {"acc": 0.9 - 0.1 * shift_by ** 2 - 0.01 * draw, "loss": 1.0 + shift_by + draw, "questions": 8}}
 
     args = train_args("--eval-shift", "all", "--eval-redraw", "2")
     train.check_eval_perturbations(args, model.cfg)
@@ -160,9 +160,9 @@ def test_perturbed_evaluation_scores_every_shift_and_draw():
     assert model.layers[0].attn.eval_draw == 0
     shift, redraw = metrics["dev"]["shift"], metrics["dev"]["redraw"]
     assert list(shift["by"]) == ["1", "2", "3"] and list(redraw["by"]) == ["1", "2"]
-    assert shift["mean"] == {"acc": pytest.approx(0.3), "loss": pytest.approx(3.0)}       # counts are not averaged
-    assert shift["worst"] == {"acc": pytest.approx(0.2), "loss": 4.0}
-    assert redraw["worst"] == {"acc": pytest.approx(0.48), "loss": 3.0}
+    assert shift["mean"] == {"acc": pytest.approx(1.3 / 3), "loss": pytest.approx(3.0)}   # counts are not averaged
+    assert shift["worst"] == {"acc": pytest.approx(0.0), "loss": 4.0}
+    assert redraw["worst"] == {"acc": pytest.approx(0.88), "loss": 3.0}
 
 
 def test_eval_draws_are_fixed_and_differ():
@@ -185,15 +185,18 @@ def test_eval_draws_are_fixed_and_differ():
 def check_eval_shift_all(argv, out, capfd, shifts, metric):
     """train.py with --eval-shift all against the same run without it (evaluating after every step): each
     evaluation in log.jsonl and final.json holds every shift s in `shifts`, with their mean and worst, and
-    its numbers on the original topology are the plain run's (the perturbed evaluations change nothing else).
-    Returns the --eval-shift all run's final.json."""
-    finals, evals = {}, {}
+    its numbers on the original topology, like the training losses after it, are the plain run's (the
+    perturbed evaluations change nothing else). Returns the --eval-shift all run's final.json."""
+    finals, evals, losses = {}, {}, {}
     for name, extra in (("plain", []), ("all", ["--eval-shift", "all"])):
-        code, stdout, err = run_main([*argv, "--out", str(out / name), "--eval-every", "1", *extra], capfd)
+        code, stdout, err = run_main([*argv, "--out", str(out / name), "--eval-every", "1", "--log-every", "1",
+                                      "--lr", "1e-2", *extra], capfd)
         assert code == 0 and err == [], err
         finals[name] = json.loads((out / name / "final.json").read_text())
         evals[name] = [r["dev"] for r in read_log(out / name) if "dev" in r]
+        losses[name] = [r["loss"] for r in read_log(out / name) if "loss" in r]
     assert "| shifted mean " in stdout
+    assert losses["all"] == losses["plain"] and len(losses["all"]) >= 2
     assert len(evals["all"]) == len(evals["plain"]) >= 2 and finals["all"]["dev"] == evals["all"][-1]
     for dev, plain in zip(evals["all"], evals["plain"]):
         for split, m in dev.items():
