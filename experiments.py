@@ -106,6 +106,112 @@ def listops(a):
 
 
 # -----------------------------------------------------------------------------
+# ERNIE-Sparse where topology matters (issue 23): ListOps at LRA's lengths, from scratch, every perturbation.
+
+# LRA's recipe (data.py listops: depth 10, up to 10 arguments) at 500-1,000 tokens, not LRA's 500-2,000: the
+# longer half would double every run on 2 CPU cores. 20,000 training sequences (LRA: 96,000); dev 500.
+LONG_DATA = ["--train", "20000", "--val", "500", "--test", "100", "--min-len", "500", "--max-len", "1000", "--seed", "1"]
+# b = 32 cuts a sequence into 16-32 blocks; a token sees its own and the two neighbouring blocks (96 tokens),
+# one random block, the global [CLS] token and (HST) its block's representative: any two tokens further apart
+# than the window meet only through the random block, [CLS] or the representatives (methods.md §2.1, §2.2)
+LONG_TOPOLOGY = ["--block-size", "32", "--window", "1", "--num-global", "1", "--num-random", "1"]
+# the grid's model: the smallest of LONG_CANDIDATES (LRA: 6 layers, d 512, 8 heads, MLP 2048); choose it again
+# from `python experiments.py listops-long --candidates` (docs/results_listops_long_candidates.md)
+LONG_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"]
+LONG_COMMON = ["--task", "listops", "--init", "scratch", "--max-len", "1000", "--batch-size", "32", "--lr", "1e-3",
+               "--max-steps", "1000", "--eval-every", "1000000"]        # one evaluation, on the final weights
+# every shift s = 1 .. b-1 and 3 other draws of the random blocks, in the final evaluation (train.py)
+LONG_PERTURB = ["--eval-shift", "all", "--eval-redraw", "3"]
+LONG_CANDIDATES = {         # model sizes whose learning curves (hst, seed 0) choose LONG_MODEL
+    "2x64": ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"],
+    "2x128": ["--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256"],
+    "4x64": ["--layers", "4", "--hidden", "64", "--heads", "4", "--ffn", "128"],
+}
+LONG_CURVE_EVERY = 100      # --candidates: a dev evaluation (original topology only) every this many steps
+
+
+def listops_long_data(a):
+    """OUT/listops-long-data: LONG_DATA generated once (a folder already there is used as it is)."""
+    data_dir = os.path.join(a.out, "listops-long-data")
+    if not os.path.exists(os.path.join(data_dir, "basic_val.tsv")):
+        cmd = [sys.executable, "data.py", "listops", data_dir, *LONG_DATA]
+        print("$ " + " ".join(cmd), flush=True)
+        if not a.dry_run:
+            subprocess.check_call(cmd)
+    return data_dir
+
+
+def listops_long(a):
+    """dense / sparse / hst / hst+sar / hst+rdrop at 500-1,000 tokens, seed-major (every row's seed 0 first), each
+    run's final weights scored on the original topology, under every shift and under other random-block draws;
+    paired differences to hst. --candidates: the learning curves of LONG_CANDIDATES instead."""
+    data_dir = listops_long_data(a)
+    if a.candidates:
+        return listops_long_candidates(a, data_dir)
+    finals, dirs = {}, {}
+    for s in a.seeds:
+        for name, extra in PRE_SPARSE_VARIANTS.items():                # the same five rows, hst (baseline) first
+            if a.variants and name not in a.variants:
+                continue
+            out = os.path.join(a.out, f"listops-long-{name.replace('+', '_')}-s{s}")
+            cmd = [*LONG_COMMON, *LONG_MODEL, *LONG_TOPOLOGY, *LONG_PERTURB, *extra, "--data", data_dir, *a.extra,
+                   "--seed", str(s)]
+            finals.setdefault(name, []).append(run_train(cmd, out, a.threads, a.out, a.dry_run))
+            dirs.setdefault(name, []).append(out)
+    if a.dry_run:
+        return
+    rows, raw = [], {}
+    for name, fs in finals.items():
+        raw[name] = cols = perturbed_accuracies(fs, dirs[name])
+        cols["wall_time_s"] = [f["wall_time_s"] for f in fs]
+        diff = lambda col: fmt_diff(raw["hst"][col], cols[col])
+        redrawn = (f"{fmt(cols['acc_redraw_mean'])} | {fmt(cols['acc_redraw_worst'])}" if "acc_redraw_mean" in cols
+                   else "- | -")                                         # dense: no random blocks to draw
+        rows.append(f"| {name} | {fmt(cols['acc'])} | {fmt(cols['acc_shift_mean'])} | {fmt(cols['acc_shift_worst'])} "
+                    f"| {redrawn} | {fmt(cols['shift_drop'])} | {diff('acc')} | {diff('acc_shift_worst')} "
+                    f"| {diff('shift_drop')} | {statistics.mean(cols['wall_time_s']):.0f} |")
+    table = ["| attention | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) | redrawn, mean (%) "
+             "| redrawn, worst (%) | drop under shift (acc - shifted mean, points) | paired diff to hst (points, 95% CI) "
+             "| same, worst s | same, drop under shift | time per run (s) |", "|---|---|---|---|---|---|---|---|---|---|---|",
+             *rows]
+    f0 = finals["hst"][0]
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Generated ListOps ({' '.join(LONG_DATA)}; "
+            f"data.py listops); majority-class baseline {100 * f0['majority_baseline']:.1f}%. Seeds {a.seeds}; mean "
+            f"+- std over seeds of the final weights' dev accuracy; paired difference to the hst row with a 95% "
+            f"t-interval over seeds. Shifted: every s = 1 .. {f0['config']['block_size'] - 1} (train.py --eval-shift "
+            f"all; dense: s = 1 alone, a shift moves no block boundary); redrawn: other draws of the random blocks "
+            f"(--eval-redraw). Flags: {' '.join(LONG_COMMON + LONG_MODEL + LONG_TOPOLOGY + LONG_PERTURB + a.extra)}")
+    write_results(a, "listops_long", table, note, raw)
+
+
+def listops_long_candidates(a, data_dir):
+    """The learning curve (dev accuracy every LONG_CURVE_EVERY steps, original topology) of each LONG_CANDIDATES
+    model, hst attention, the first --seeds value: the smallest one that learns well above the majority class
+    is the grid's LONG_MODEL."""
+    s, curves, walls = a.seeds[0], {}, {}
+    for name, model in LONG_CANDIDATES.items():
+        out = os.path.join(a.out, f"listops-long-candidate-{name}-s{s}")
+        cmd = [*LONG_COMMON, *model, *LONG_TOPOLOGY, "--attention", "hst", "--data", data_dir,
+               "--eval-every", str(LONG_CURVE_EVERY), *a.extra, "--seed", str(s)]
+        f = run_train(cmd, out, a.threads, a.out, a.dry_run)
+        if f is not None:
+            curves[name] = {r["step"]: r["dev"]["dev"]["acc"] for r in read_jsonl(os.path.join(out, "log.jsonl"))
+                            if "dev" in r}
+            walls[name] = f["wall_time_s"]
+    if a.dry_run:
+        return
+    steps = sorted({step for c in curves.values() for step in c})
+    cell = lambda c, step: f"{100 * c[step]:.1f}" if step in c else "-"
+    table = [f"| step | {' | '.join(curves)} |", "|---" * (len(curves) + 1) + "|",
+             *[f"| {step} | {' | '.join(cell(c, step) for c in curves.values())} |" for step in steps],
+             f"| time per run (s) | {' | '.join(f'{w:.0f}' for w in walls.values())} |"]
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Dev accuracy (%) on the original topology; "
+            f"hst attention, seed {s}; majority-class baseline {100 * f['majority_baseline']:.1f}%. Candidates "
+            f"(layers x hidden): {LONG_CANDIDATES}. Flags: {' '.join(LONG_COMMON + LONG_TOPOLOGY + a.extra)}")
+    write_results(a, "listops_long_candidates", table, note, {"curves": curves, "wall_time_s": walls})
+
+
+# -----------------------------------------------------------------------------
 # The papers' regime: fine-tuning a pretrained checkpoint (--init), seeds, paired confidence intervals.
 
 # Sized for 2 CPU cores (README, docs/results_pretrained_*.md): max length 64 covers 99.9% of SST-2 / MR
@@ -216,34 +322,6 @@ def setting_flags(a, ds, setting):
         sub = os.path.join(a.out, "subsample", f"{ds}-train-{n}-seed{SUBSAMPLE_SEED}-{tag}.tsv")
         flags += ["--train-file", write_subsample(os.path.join(data_dir, "train.tsv"), n, SUBSAMPLE_SEED, sub)]
     return flags, epochs
-
-
-def eval_shifts(run_dir, shifts, threads):
-    """Dev accuracy of a run's final weights (ckpt_last.pt) under each topology shift (0 = original), cached in
-    shifts.json: {"0": acc, "1": acc, ...}. Uses the task's evaluate (tasks.py), the function train.py's --eval-shift calls."""
-    path = os.path.join(run_dir, "shifts.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            done = json.load(f)
-        if all(str(s) in done for s in shifts):
-            return done
-    import argparse as _ap
-    import torch
-    import data
-    import tasks
-    from model import build_model, read_checkpoint
-    torch.set_num_threads(threads)
-    cfg, state, tok_files, ckpt = read_checkpoint(os.path.join(run_dir, "ckpt_last.pt"))
-    args = _ap.Namespace(**ckpt["args"])
-    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
-    task = tasks.load_task(args.task, args.data, tok, max_len=args.max_len, **tasks.files_and_columns(args))
-    model = build_model(cfg, state, run_dir)
-    device = torch.device("cpu")
-    evaluate = tasks.kind(args.task).evaluate
-    accs = {str(s): evaluate(model, task, args, device, tok, shift_by=s)["dev"]["acc"] for s in shifts}
-    with open(path, "w") as f:
-        json.dump(accs, f)
-    return accs
 
 
 def drop_checkpoints(run_dir):
@@ -425,41 +503,50 @@ def plot_ablation_rates(a, raw):
 
 
 def pretrained_sparse(a):
-    finals, dirs = pretrained_runs(a, PRE_SPARSE_VARIANTS, PRE_SPARSE_TOPOLOGY)
+    finals, dirs = pretrained_runs(a, PRE_SPARSE_VARIANTS, PRE_SPARSE_TOPOLOGY + ["--eval-shift", "all"])
     b = int(PRE_SPARSE_TOPOLOGY[PRE_SPARSE_TOPOLOGY.index("--block-size") + 1])
-    shifts = list(range(b))                       # 0 = the original topology, then every shift 1 .. b-1
     if a.dry_run:
-        print(f"then: dev accuracy of each run's ckpt_last.pt under shifts {shifts} (eval_shifts)")
         return
     rows, raw = [], {}
     for (ds, setting, name), fs in finals.items():
-        per_seed = []
-        for f, d in zip(fs, dirs[(ds, setting, name)]):
-            # dense attention has no topology: a shift only puts masked padding in front (positions kept), so
-            # its shifted columns repeat the original accuracy instead of spending 7 evaluations on it
-            accs = (eval_shifts(d, shifts, a.threads) if name != "dense"
-                    else {str(s): f["dev"]["dev"]["acc"] for s in shifts})
-            if abs(accs["0"] - f["dev"]["dev"]["acc"]) > 1e-9:
-                sys.exit(f"error: {d}: shift 0 gives {accs['0']}, final.json {f['dev']['dev']['acc']}")
-            if not a.keep_ckpt:
+        if not a.keep_ckpt:
+            for d in dirs[(ds, setting, name)]:
                 drop_checkpoints(d)
-            per_seed.append([accs[str(s)] for s in shifts])
-        orig = [p[0] for p in per_seed]
-        mean_sh = [statistics.mean(p[1:]) for p in per_seed]
-        worst = [min(p[1:]) for p in per_seed]
         key = f"{ds}-{setting}"
-        if name == "hst":
-            raw[key] = {}
-        base = raw[key].get("hst")
-        raw[key][name] = {"acc": orig, "acc_shift_mean": mean_sh, "acc_shift_worst": worst, "acc_by_shift": per_seed}
-        diff = (lambda col: "(baseline)" if name == "hst" else fmt_diff(base[col], raw[key][name][col]))
-        rows.append(f"| {ds} | {setting} | {name} | {fmt(orig)} | {fmt(mean_sh)} | {fmt(worst)} | {diff('acc')} "
-                    f"| {diff('acc_shift_worst')} | {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
+        raw.setdefault(key, {})[name] = cols = perturbed_accuracies(fs, dirs[(ds, setting, name)])
+        diff = lambda col: fmt_diff(raw[key]["hst"][col], cols[col])         # the hst row itself: "(baseline)"
+        rows.append(f"| {ds} | {setting} | {name} | {fmt(cols['acc'])} | {fmt(cols['acc_shift_mean'])} "
+                    f"| {fmt(cols['acc_shift_worst'])} | {diff('acc')} | {diff('acc_shift_worst')} "
+                    f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | setting | attention | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
              "| paired diff to hst (points, 95% CI) | same, worst s | time per run (s) |",
              "|---|---|---|---|---|---|---|---|---|", *rows]
-    write_results(a, "pretrained_sparse" + settings_suffix(a), table, pretrained_note(a, f"Shifts s = 1 .. {b - 1}. Topology: "
-                                                                       + " ".join(PRE_SPARSE_TOPOLOGY) + ". "), raw)
+    write_results(a, "pretrained_sparse" + settings_suffix(a), table, pretrained_note(a, f"Shifts s = 1 .. {b - 1} "
+                  "(train.py --eval-shift all, on the final weights; dense attention: s = 1 alone, a shift moves no "
+                  "block boundary). Topology: " + " ".join(PRE_SPARSE_TOPOLOGY) + ". "), raw)
+
+
+def perturbed_accuracies(fs, dirs):
+    """Per seed, from each run's final.json (train.py --eval-shift all, --eval-redraw K): the dev accuracy on the
+    original topology ("acc"), its mean and worst over the shifts s = 1 .. b-1, the accuracy at every shift
+    ("acc_by_shift": [original, s = 1, 2, ...]), the drop acc - shift mean, and where random blocks were
+    re-drawn, the mean and worst over the draws."""
+    cols = {}
+    for f, d in zip(fs, dirs):
+        dev = f["dev"]["dev"]
+        if "shift" not in dev:
+            sys.exit(f"error: {d}/final.json has no shifted scores (a run from before train.py's --eval-shift all): "
+                     "remove the folder to run it again")
+        add = lambda col, v: cols.setdefault(col, []).append(v)
+        add("acc", dev["acc"])
+        add("acc_shift_mean", dev["shift"]["mean"]["acc"])
+        add("acc_shift_worst", dev["shift"]["worst"]["acc"])
+        add("acc_by_shift", [dev["acc"]] + [m["acc"] for m in dev["shift"]["by"].values()])
+        add("shift_drop", dev["acc"] - dev["shift"]["mean"]["acc"])
+        if "redraw" in dev:
+            add("acc_redraw_mean", dev["redraw"]["mean"]["acc"])
+            add("acc_redraw_worst", dev["redraw"]["worst"]["acc"])
+    return cols
 
 
 def settings_suffix(a):
@@ -529,8 +616,8 @@ def write_results(a, name, table, note, raw):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "attendout-ablation", "attendout-probe",
-                                           "pretrained-sparse"])
+    ap.add_argument("experiment", choices=["listops", "listops-long", "pretrained-attendout", "attendout-ablation",
+                                           "attendout-probe", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads; OMP_NUM_THREADS too)")
@@ -543,24 +630,29 @@ def main(argv=None):
     ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),
                     help="pretrained-*: lowres (1,000 training examples) and / or full")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="pretrained-*: only these rows (default: all; the first row, the baseline, must be among them)")
+                    help="pretrained-*, listops-long: only these rows (default: all; the first row, the baseline, must be among them)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                    help="pretrained-*: more train.py flags for every run (last on the line, e.g. --extra --gnet-lr 1e-3)")
-    ap.add_argument("--dry-run", action="store_true", help="pretrained-*: print the commands of unfinished runs, run nothing")
+                    help="pretrained-*, listops-long: more train.py flags for every run (last on the line, so they win; "
+                         "e.g. --extra --gnet-lr 1e-3)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="pretrained-*, listops-long: print the commands of unfinished runs, run nothing")
+    ap.add_argument("--candidates", action="store_true",
+                    help="listops-long: the learning curves of the candidate model sizes (LONG_CANDIDATES), not the grid")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
-    pre = a.experiment != "listops"
+    pre = a.experiment not in ("listops", "listops-long")
     if a.seeds is None:
         a.seeds = [0, 1, 2, 3, 4] if "attendout" in a.experiment else [0, 1, 2]
     if a.out is None:
         # the ablation shares pretrained-attendout's folder: its standard and attendout rows are the same runs
         a.out = (os.path.join("out", "pretrained-attendout") if a.experiment == "attendout-ablation"
-                 else os.path.join("out", a.experiment) if pre else os.path.join("out", "experiments"))
+                 else os.path.join("out", a.experiment) if pre or a.experiment == "listops-long"
+                 else os.path.join("out", "experiments"))
     if pre and a.init is None:
         ap.error(f"{a.experiment} needs --init PATH (a converted checkpoint)")
     os.makedirs(a.out, exist_ok=True)
-    {"listops": listops, "pretrained-attendout": pretrained_attendout, "attendout-ablation": attendout_ablation,
+    {"listops": listops, "listops-long": listops_long, "pretrained-attendout": pretrained_attendout, "attendout-ablation": attendout_ablation,
      "attendout-probe": attendout_probe, "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
