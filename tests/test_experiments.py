@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+import data
 import experiments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,13 +136,51 @@ def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_grid, capfd, 
 def test_sparse_grid_scores_every_shift_of_the_final_weights(tiny_grid, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tiny_grid / "runs-sparse"
-    run_grid(tiny_grid, ["pretrained-sparse", "--out", str(out), "--variants", "hst", "dense"], capfd)
+    printed = run_grid(tiny_grid, ["pretrained-sparse", "--out", str(out), "--variants", "hst", "dense"], capfd)
+    assert all("--eval-shift all" in line for line in printed.splitlines() if line.startswith("$ "))
     raw = json.load(open(tiny_grid / "docs" / "results_pretrained_sparse_sst2.json"))["sst2-lowres"]
     for s in (0, 1):
-        final = json.load(open(out / f"sst2-lowres-hst-s{s}" / "final.json"))
-        shifts = json.load(open(out / f"sst2-lowres-hst-s{s}" / "shifts.json"))
-        assert sorted(shifts, key=int) == [str(i) for i in range(8)]          # b = 8: the original and s = 1 .. 7
-        assert shifts["0"] == final["dev"]["dev"]["acc"]
-        assert raw["hst"]["acc_by_shift"][s] == [shifts[str(i)] for i in range(8)]
-        assert raw["hst"]["acc_shift_worst"][s] == min(shifts[str(i)] for i in range(1, 8))
+        dev = json.load(open(out / f"sst2-lowres-hst-s{s}" / "final.json"))["dev"]["dev"]
+        by = dev["shift"]["by"]
+        assert list(by) == [str(i) for i in range(1, 8)]                    # b = 8: s = 1 .. 7
+        assert raw["hst"]["acc_by_shift"][s] == [dev["acc"]] + [by[str(i)]["acc"] for i in range(1, 8)]
+        assert raw["hst"]["acc_shift_worst"][s] == min(by[str(i)]["acc"] for i in range(1, 8))
     assert raw["dense"]["acc_shift_mean"] == raw["dense"]["acc"]           # dense: no topology to shift
+    assert not os.path.exists(out / "sst2-lowres-hst-s0" / "ckpt_last.pt")
+
+
+def test_listops_long_grid_end_to_end(tmp_path, capfd, monkeypatch):
+    """listops-long on tiny generated data (already in OUT/listops-long-data, so the grid uses it) and a tiny
+    model (--extra wins over the grid's flags): seed-major, every shift and draw in the table's columns,
+    paired differences to hst, resumable; --dry-run prints the unfinished commands only."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "long"
+    data.write_listops(str(out / "listops-long-data"), 48, 12, 2, min_len=20, max_len=60, seed=0, max_depth=3,
+                       max_args=4)
+    argv = ["listops-long", "--out", str(out), "--seeds", "0", "1", "--docs", str(tmp_path / "docs"), "--variants",
+            "hst", "dense", "hst+sar", "--extra", "--layers", "1", "--hidden", "16", "--heads", "2", "--ffn", "32",
+            "--max-steps", "3", "--batch-size", "8", "--block-size", "8", "--lr", "1e-2"]
+    experiments.main(argv[:1] + ["--dry-run"] + argv[1:])
+    dry = [line for line in capfd.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert len(dry) == 6 and not os.path.exists(out / "listops-long-hst-s0")
+    experiments.main(argv)
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert printed == dry
+    assert [line.split("--out ")[1].split()[0] for line in printed] == [
+        str(out / f"listops-long-{v}-s{s}") for s in (0, 1) for v in ("hst", "dense", "hst_sar")]
+    raw = json.load(open(tmp_path / "docs" / "results_listops_long.json"))
+    for s in (0, 1):
+        dev = json.load(open(out / f"listops-long-hst-s{s}" / "final.json"))["dev"]["dev"]
+        assert raw["hst"]["acc_by_shift"][s] == [dev["acc"]] + [dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8)]
+        assert list(dev["redraw"]["by"]) == ["1", "2", "3"]
+        assert raw["hst"]["acc_redraw_worst"][s] == dev["redraw"]["worst"]["acc"]
+        assert raw["hst"]["shift_drop"][s] == dev["acc"] - dev["shift"]["mean"]["acc"]
+    assert "acc_redraw_mean" not in raw["dense"] and len(raw["dense"]["acc_by_shift"][0]) == 2   # dense: s = 1 alone
+    table = open(tmp_path / "docs" / "results_listops_long.md").read()
+    m, h = experiments.paired_ci([100 * x for x in raw["hst"]["acc"]], [100 * x for x in raw["hst+sar"]["acc"]])
+    assert f"| hst+sar | {experiments.fmt(raw['hst+sar']['acc'])} |" in table
+    assert f"| {m:+.1f} [{m - h:+.1f}, {m + h:+.1f}] |" in table
+    assert "| dense |" in table and "| - | - |" in table
+    experiments.main(argv)                                                   # resumable: nothing runs again
+    assert "$ " not in capfd.readouterr().out
+    assert open(tmp_path / "docs" / "results_listops_long.md").read() == table
