@@ -21,7 +21,14 @@ baseline row with a 95% confidence interval over seeds (t distribution):
                          and to its [CLS] output, in one training-mode forward (docs/probe_attendout_*.md).
   pretrained-sparse      dense / sparse / hst / hst+sar / hst+rdrop, dev accuracy on the original topology and
                          under every shift s = 1 .. b-1 of the block boundaries (mean and worst case over s),
-                         evaluated on each run's final weights (ckpt_last.pt, see eval_shifts).
+                         scored by each run itself on its final weights (train.py --eval-shift all).
+
+And ERNIE-Sparse where topology matters, from scratch at LRA's lengths (issue 23):
+  listops-long           the same five rows on generated ListOps of 500-1,000 tokens, blocks of 32 with one
+                         random block, 3 seeds: accuracy on the original topology, mean and worst over every
+                         shift and over 3 re-drawn random blocks (train.py --eval-shift all --eval-redraw 3),
+                         the drop under shifting, paired differences to hst. --candidates: the learning curves
+                         of 2-3 model sizes, to choose the grid's model (LONG_MODEL).
 
 How to run it:
     python experiments.py listops                      # -> docs/results_listops.md / .json
@@ -30,6 +37,8 @@ How to run it:
     python experiments.py attendout-probe --init ckpt/minilm.pt --data-root DATA --datasets sst2
     python experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA --threads 2
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
+    python experiments.py listops-long --candidates --threads 1            # -> docs/results_listops_long_candidates.md
+    python experiments.py listops-long --threads 1                         # -> docs/results_listops_long.md / .json
 """
 import argparse
 import hashlib
