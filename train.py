@@ -14,6 +14,7 @@ The ideas it switches on, each by a flag (and the Config field of the same name,
   --attention sparse|hst            ERNIE-Sparse's block-sparse attention and Hierarchical Sparse Transformer
   --sar ALPHA / --rdrop ALPHA       Self-Attention Regularization (shifted topology) / R-Drop (sar.py)
   --attn-dropout attendout          AttendOut's learned G-Net attention dropout (attendout.py)
+  --eval-shift all / --eval-redraw K  also score every evaluation under perturbed topologies (methods.md §2.3)
 
 How to run it:
   python train.py                                   # the demo: generated ListOps, HST + SAR + AttendOut
