@@ -541,12 +541,12 @@ def perturbed_accuracies(fs, dirs):
     ("acc_by_shift": [original, s = 1, 2, ...]), the drop acc - shift mean, and where random blocks were
     re-drawn, the mean and worst over the draws."""
     cols = {}
+    add = lambda col, v: cols.setdefault(col, []).append(v)
     for f, d in zip(fs, dirs):
         dev = f["dev"]["dev"]
         if "shift" not in dev:
             sys.exit(f"error: {d}/final.json has no shifted scores (a run from before train.py's --eval-shift all): "
                      "remove the folder to run it again")
-        add = lambda col, v: cols.setdefault(col, []).append(v)
         add("acc", dev["acc"])
         add("acc_shift_mean", dev["shift"]["mean"]["acc"])
         add("acc_shift_worst", dev["shift"]["worst"]["acc"])

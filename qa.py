@@ -226,7 +226,7 @@ def sar_span_loss(model, batch, alpha, shift_by):
     z1, z2 = sar.two_views(model, batch, shift_by)                     # [B, L + s, 2] each
     mask = batch["attention_mask"]
     L = mask.size(1)
-    z1, z2 = z1[:, :L], sar.unshift(z2, shift_by)                           # both [B, L, 2], the same positions
+    z1, z2 = z1[:, :L], sar.unshift(z2, shift_by)                       # both [B, L, 2], the same positions
     ce = 0.5 * (span_loss(z1, batch["labels"], mask) + span_loss(z2, batch["labels"], mask))
     pad = ~mask.bool().unsqueeze(-1)
     z1, z2 = z1.float().masked_fill(pad, -1e4), z2.float().masked_fill(pad, -1e4)

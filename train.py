@@ -748,10 +748,10 @@ def add_perturbed(r, metrics):
             runs["redraw"][k] = score()
     finally:
         raw.set_eval_draw(0)
-    for kind, by in runs.items():
+    for perturbation, by in runs.items():
         for split in (metrics if by else ()):
             per = {str(p): m[split] for p, m in by.items()}
-            metrics[split][kind] = {"by": per, **summarise(per.values())}
+            metrics[split][perturbation] = {"by": per, **summarise(per.values())}
 
 
 # lower is better for these metrics (masked LM), higher for every other
