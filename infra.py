@@ -6,16 +6,20 @@ Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: tra
 
 How to run it: it is not run on its own; `python train.py` uses it.
 """
+import argparse
+import fcntl
 import io
 import json
 import os
 import random
 import signal
 import sys
+from contextlib import contextmanager, suppress
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -37,15 +41,60 @@ def warn(msg):
         tqdm.write(f"warning: {msg}", file=sys.stderr)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes (unknown flag, a value of the wrong type) are one `error:` line too, exit 2."""
+
+    def error(self, message):
+        fail(f"{message} (see {self.prog} --help)")
+
+
+def user_error_line(e):
+    """The one line for an error that user input raises (a bad file, flag or checkpoint): the file, line, flag
+    or value at fault comes from the message when the raiser knew it (DataError, CheckpointError do)."""
+    if isinstance(e, UnicodeDecodeError):       # a reader that did not name its file (vocab.read_text does)
+        return f"not UTF-8 text: byte {e.object[e.start:e.start + 1].hex()} ({e.reason})"
+    if isinstance(e, OSError):                  # disk full, read-only, a folder where a file should be, ...
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+        return f"{where}: {e.strerror or e}" if where else f"{e.strerror or e}"
+    if isinstance(e, KeyError):                 # a foreign config / checkpoint without a field we read
+        return f"missing field {e.args[0]!r} (a config or checkpoint from elsewhere?)"
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+# what user input can raise: ValueError covers DataError, CheckpointError, JSON and Unicode errors
+USER_ERRORS = (ValueError, OSError, KeyError, SafetensorError)
+
+
+@contextmanager
+def one_line_errors(interrupted="interrupted"):
+    """The one place user errors are caught: every entry point's main runs inside it. A user error ends in one
+    `error:` line, exit 2; Ctrl-C in one line, exit 130."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)    # the scripts exit quietly on Ctrl-C while importing
+    try:
+        yield
+    except KeyboardInterrupt:
+        fail(interrupted, code=130)
+    except USER_ERRORS as e:
+        fail(user_error_line(e))
+
+
 # -----------------------------------------------------------------------------
 # Devices and processes (torchrun sets RANK / WORLD_SIZE / LOCAL_RANK).
 
 def resolve_device(name):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        fail(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
         fail(f"--device {name}: CUDA is not available here")
-    return torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        fail(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        fail(f"--device {name}: only cpu and cuda are supported")
+    return device
 
 
 def setup_distributed(args):
@@ -144,21 +193,57 @@ def gather_rng_states(world):
 # -----------------------------------------------------------------------------
 # The run folder and checkpoints.
 
-def prepare_out(args):
-    """--out holding another run is refused unless --resume or --overwrite."""
-    taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
-    if is_main() and os.path.isdir(args.out):       # a run killed while saving leaves a half-written temp file
-        for f in os.listdir(args.out):
-            if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
-                os.remove(os.path.join(args.out, f))
-    if args.resume:                                  # run() has read its ckpt_last.pt already
+RUN_FILES = ("log.jsonl", "droprates.jsonl", "final.json", "ckpt_last.pt", "ckpt_best.pt")
+LOCK_FILE = "run.lock"         # held (flock) while a run writes to --out; the kernel lets go if the run dies
+
+
+@contextmanager
+def lock_out(out):
+    """--out belongs to one run at a time: a second run into it (a --resume while the first still runs) is
+    refused in one line. Rank 0 holds the lock; other torchrun processes write nothing there."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
         return
-    if taken and not args.overwrite:
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out}: is a file, not a folder")
+    path = os.path.join(out, LOCK_FILE)
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        fail(f"--out {out}: cannot write there ({e.strerror})")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        fail(f"--out {out}: another run is writing to it ({path} is held); wait for it or choose another --out")
+    try:
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.remove(path)
+        os.close(fd)
+
+
+def check_out(args):
+    """--out holding another run is refused unless --resume or --overwrite (checked first; cleared by clear_out
+    only once the new run has read its data and built its model)."""
+    taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
+    if taken and not args.resume and not args.overwrite:
         fail(f"--out {args.out} holds another run (log.jsonl / checkpoints); pass --resume to continue it or "
              "--overwrite to replace it")
-    if is_main():
-        os.makedirs(args.out, exist_ok=True)
-        for f in ("log.jsonl", "droprates.jsonl", "final.json", "ckpt_last.pt", "ckpt_best.pt"):
+
+
+def clear_out(args):
+    """Just before the first step: drop a killed save's temp files, and (--overwrite) the old run's files."""
+    if not is_main():
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for f in os.listdir(args.out):                     # a run killed while saving leaves a half-written temp file
+        if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+            os.remove(os.path.join(args.out, f))
+    if not args.resume:                                # run() has read its ckpt_last.pt already
+        for f in RUN_FILES:
             if os.path.exists(os.path.join(args.out, f)):
                 os.remove(os.path.join(args.out, f))
 
@@ -216,6 +301,7 @@ class StopFlag:
 
     def __init__(self, device, world):
         self.stop, self.device, self.world = False, device, world
+        self.signum = None              # the signal that asked for the stop (the exit code is 128 + it)
 
     def __enter__(self):
         self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -228,7 +314,7 @@ class StopFlag:
     def handle(self, signum, frame):
         if self.stop and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.stop = True
+        self.stop, self.signum = True, signum
 
     def requested(self):
         return not all_true(not self.stop, self.device, self.world)

@@ -21,11 +21,16 @@ How to run it:
   torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
   python train.py --resume --out out/run          # continue a stopped / killed run
 """
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import argparse
 import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -40,9 +45,10 @@ import data
 import qa
 import sar
 from attendout import GNET, DropRateLogger, drop_rates, hold_budget
-from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, check_replicas, fail, gather_rng_states,
-                   is_main, prepare_out, public_args, rng_state, save_checkpoint, seed_everything, set_rng_state,
-                   setup_distributed, trim_log, warn, weights_finite)
+from infra import (DDP, ArgumentParser, StopFlag, all_reduce_sum, all_true, append_jsonl, check_out, check_replicas,
+                   clear_out, fail, gather_rng_states, is_main, lock_out, one_line_errors, public_args, resolve_device,
+                   rng_state, save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn,
+                   weights_finite)
 from model import CheckpointError, Config, Model, apply_overrides, build_model, read_checkpoint
 
 # The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
@@ -58,7 +64,7 @@ DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60,
 # 1. Flags. Model and method flags default to None: "keep the checkpoint's value, or Config's default".
 
 def make_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = ap.add_argument_group("task and data")
     g.add_argument("--task", default="listops", help=f"one of {', '.join(data.VALID_TASKS)}")
     g.add_argument("--data", default=None, help="task folder or file (listops: generated into data/listops-demo if omitted)")
@@ -153,6 +159,44 @@ def parse_args(argv):
         a.default = argparse.SUPPRESS
     args.given = sorted(vars(quiet.parse_args(argv)))
     return args
+
+
+# the smallest value that means something, per flag (a flag left at None is not checked; --resume fills it in)
+AT_LEAST_1 = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn",
+              "block_size", "gnet_dim", "max_positions")
+AT_LEAST_0 = ("max_steps", "eval_every", "save_every", "eval_shift", "warmup", "weight_decay", "clip", "lr", "sar",
+              "rdrop", "gnet_lr", "window", "num_global", "num_random", "ffn_chunk")
+MIN_MAX_LEN = 8                 # room for a pair's special tokens and some text
+
+
+def check_args(args):
+    """Values that mean nothing, refused before anything is read or written: one line naming the flag. Values
+    that would only fail after training (an evaluation flag, --log-every 0) are caught here too."""
+    def bad(name, why):
+        fail(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}")
+    for name in AT_LEAST_1 + AT_LEAST_0:
+        v = getattr(args, name)
+        low = 1 if name in AT_LEAST_1 else 0
+        if v is not None and not (math.isfinite(v) and v >= low):       # NaN fails too
+            bad(name, f"must be {'a whole number ' if isinstance(v, int) else ''}>= {low}")
+    if not (math.isfinite(args.epochs) and args.epochs > 0):
+        bad("epochs", "must be > 0 (or give --max-steps)")
+    if args.gnet_tau is not None and not args.gnet_tau > 0:
+        bad("gnet_tau", "the relaxed-Bernoulli temperature must be > 0")
+    if args.max_len is not None and args.max_len < MIN_MAX_LEN:
+        bad("max_len", f"must be at least {MIN_MAX_LEN} tokens (special tokens included)")
+    if args.task not in data.VALID_TASKS:
+        bad("task", f"unknown task; choose one of {', '.join(data.VALID_TASKS)}")
+    for name in ("text_col", "text_pair_col", "label_col"):
+        col = getattr(args, name)
+        if col is not None and col.strip().startswith("-"):
+            bad(name, "a column is a header name or a 0-based index (>= 0)")
+    resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
+    if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
+        bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
+    for name in ("data", "train_file", "dev_file"):
+        if getattr(args, name) is not None and not os.path.exists(getattr(args, name)):
+            bad(name, "no such file or folder")
 
 
 # -----------------------------------------------------------------------------
@@ -422,16 +466,22 @@ def autocast(device):
 #    atomic checkpoint writes, Ctrl-C) lives in infra.py.
 
 def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run(args)
-    except (data.DataError, CheckpointError, ValueError, FloatingPointError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}", code=130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """Errors of the user's input end in one `error:` line, exit 2 (infra.one_line_errors); a stop by Ctrl-C
+    or SIGTERM exits 130 / 143 after saving, so `python train.py ... && next` does not carry on."""
+    with one_line_errors():
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        check_args(args)
+    with one_line_errors(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}"):
+        try:
+            with lock_out(args.out):
+                stopped_by = run(args)
+        except FloatingPointError as e:
+            fail(str(e))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if stopped_by:
+        sys.exit(128 + stopped_by)
 
 
 def run(args):
@@ -443,15 +493,18 @@ def run(args):
     #   report(r)     final.json and the last line: the final and best dev score beside the majority class.
     r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
     train(r)                     # the loop; returns when the last step is done or a stop was asked for
-    if r.state["step"] == r.total and is_main():
+    if r.state["step"] < r.total:
+        return r.stopped_by      # the signal that stopped it (the exit code is 128 + it)
+    if is_main():
         report(r)
+    return None
 
 
 class Run:
     """What one run holds. setup() fills it; the loop's functions read it and update `state`.
     `state` is the part that ckpt_last.pt saves (with the weights, AdamW and the RNGs): the step, the epoch and
     the position in it, the best dev score so far, the last dev metrics, skipped batches, wall time."""
-    args = rank = world = device = tok = task = raw = model = optimizer = None
+    args = rank = world = device = tok = task = raw = model = optimizer = stopped_by = None
     total = warmup = per_epoch = 0
     state = None
     paths = None                 # log.jsonl, droprates.jsonl, ckpt_last.pt, ckpt_best.pt inside --out
@@ -464,9 +517,9 @@ def setup(args):
     r.args = args
     r.rank, r.world, r.device = setup_distributed(args)
     # --- a resumed run takes its own flags back (except those given now), its weights, tokenizer and state
+    check_out(args)
     resumed = read_resume(args)
     init = read_init(args) if resumed is None and args.init != "scratch" else None
-    prepare_out(args)
     seed_everything(args.seed)
 
     # --- data: the tokenizer (the checkpoint's own, ListOps' or a SentencePiece model), then the task
@@ -514,6 +567,7 @@ def setup(args):
                "dev": {}, "saved_step": None}     # saved_step: the step that ckpt_last.pt holds
     r.paths = {name: os.path.join(args.out, name)
                for name in ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "ckpt_best.pt", "final.json")}
+    clear_out(args)              # --overwrite: the old run goes only now, with the new one's data and model ready
     if resumed:
         restore(r, resumed)
     if is_main():
@@ -526,6 +580,11 @@ def setup(args):
     return r
 
 
+# flags that change the data stream or the schedule: --resume refuses a new value (the others may change)
+RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
+                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup")
+
+
 def read_resume(args):
     """--resume: the run's ckpt_last.pt (config, weights, tokenizer, optimizer, state, RNGs), read as --init
     reads a checkpoint; the run's own flags fill in every flag not given now. None without --resume."""
@@ -535,6 +594,13 @@ def read_resume(args):
     if not os.path.exists(path):
         fail(f"--resume: {path} does not exist")
     cfg, state, tok_files, ckpt = read_checkpoint(path)
+    if not all(k in ckpt for k in ("args", "train_state", "optimizer", "rng")):
+        fail(f"--resume: {path} is not a training checkpoint (no run state; a converted or exported model? "
+             "use it with --init)")
+    for k in RESUME_FIXED:             # the saved position in the epoch means something only in the same stream
+        if k in args.given and k in ckpt["args"] and getattr(args, k) != ckpt["args"][k]:
+            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's "
+                 f"{ckpt['args'][k]}; a resumed run keeps its data and schedule (start a new --out to change it)")
     for k, v in ckpt["args"].items():
         if k not in args.given and k not in ("resume", "device"):
             setattr(args, k, v)
@@ -604,6 +670,7 @@ def train(r):
                 save_last(r, meter)
         bar.close()
         if state["step"] < r.total:                 # Ctrl-C / SIGTERM: save, say how to continue
+            r.stopped_by = stop.signum or signal.SIGTERM    # under torchrun: the process that was not signalled
             if state["saved_step"] != state["step"]:
                 save_last(r, meter)
             if is_main():
