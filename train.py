@@ -187,10 +187,6 @@ def check_args(args):
         bad("max_len", f"must be at least {MIN_MAX_LEN} tokens (special tokens included)")
     if args.task not in data.VALID_TASKS:
         bad("task", f"unknown task; choose one of {', '.join(data.VALID_TASKS)}")
-    for name in ("text_col", "text_pair_col", "label_col"):
-        col = getattr(args, name)
-        if col is not None and col.strip().startswith("-"):
-            bad(name, "a column is a header name or a 0-based index (>= 0)")
     resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
     if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
         bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
