@@ -140,15 +140,15 @@ def default_max_len(task):
     return lra.DEFAULT_MAX_LEN.get(task, 512)
 
 
-def read_text(path):
-    """A text file's contents (a BOM stripped). Every reader opens its files here, so a file that is not UTF-8
-    is one DataError naming the file and line (not "can't decode byte 0xe9 in position 6130")."""
+def read_text(path, encoding="utf-8-sig"):
+    """A text file's contents (utf-8-sig: a BOM stripped). Every reader opens its files here, so a file that is
+    not UTF-8 is one DataError naming the file and line (not "can't decode byte 0xe9 in position 6130")."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        return raw.decode("utf-8-sig")
+        return raw.decode(encoding)
     except UnicodeDecodeError as e:
         line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
         raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
@@ -796,8 +796,8 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
 # ----------------------------------------------------------------------------------------------------------
 
 def describe_task(task, data_dir, max_len=None, tokenizer_path=None):
-    """{split: {examples, mean_len, max_len, labels}} of a task folder: checks that its files read cleanly.
-    Lengths in tokens ([cls] included; a pair: its longer document)."""
+    """({split: {examples, mean_len, max_len, labels}}, the skipped rows' "FILE:LINE"s) of a task folder: checks
+    that its files read cleanly. Lengths in tokens ([cls] included; a pair: its longer document)."""
     tok = load_tokenizer(tokenizer_path) if tokenizer_path else fixed_tokenizer(task)
     data = load_task(task, data_dir, tok, max_len=max_len or default_max_len(task))
     out = {}
@@ -807,7 +807,7 @@ def describe_task(task, data_dir, max_len=None, tokenizer_path=None):
                       "max_len": max(lengths)}
         if data.head != "span":
             out[split]["labels"] = np.bincount([e.label for e in examples], minlength=data.num_labels).tolist()
-    return {"task": task, "truncated": data.n_truncated, "skipped": data.n_skipped, **out}
+    return {"task": task, "truncated": data.n_truncated, "skipped": data.n_skipped, **out}, data.skipped
 
 
 def main(argv=None):
@@ -841,7 +841,10 @@ def main(argv=None):
                                   args.seed, args.max_depth, args.max_args, progress=True)
             print(" ".join(paths.values()))
         elif args.command in LRA_TASKS or args.command == "squad":
-            print(json.dumps(describe_task(args.command, args.data_dir, args.max_len, getattr(args, "tokenizer", None))))
+            stats, skipped = describe_task(args.command, args.data_dir, args.max_len, getattr(args, "tokenizer", None))
+            if skipped:
+                warn(skipped_warning(skipped))
+            print(json.dumps(stats))
         else:
             ids, type_ids = load_tokenizer(args.path).encode_plus(args.text, args.pair)
             print(json.dumps({"ids": ids, "type_ids": type_ids}))

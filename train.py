@@ -292,6 +292,8 @@ def check_data(args, task, data_dir):
             fail(f"{args.dev_file or data_dir}: the dev split {split!r} has no examples")
     if not task.dev:
         warn(f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt")
+    if task.skipped:
+        warn(data.skipped_warning(task.skipped))
     if task.n_truncated and task.num_labels == 0:
         warn(f"{task.n_truncated} lines were longer than --max-len {args.max_len} and were split into chunks")
     elif task.n_truncated:
