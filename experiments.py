@@ -24,6 +24,12 @@ How to run it:
     python experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA --threads 2
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
 """
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import argparse
 import hashlib
 import json
@@ -32,8 +38,9 @@ import random
 import os
 import statistics
 import subprocess
-import sys
 import time
+
+from infra import ArgumentParser, fail, one_line_errors
 
 LISTOPS_DATA = ["--train", "5000", "--val", "500", "--test", "100", "--min-len", "10", "--max-len", "60",
                 "--max-depth", "3", "--max-args", "4", "--seed", "1"]
@@ -62,7 +69,7 @@ def run_train(args_list, out, threads, log_dir, dry_run=False):
         with open(os.path.join(log_dir, os.path.basename(out) + ".log"), "w") as log:
             rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         if rc != 0:
-            sys.exit(f"error: run failed (exit {rc}); see {log.name}")
+            fail(f"run failed (exit {rc}); see {log.name}")
         print(f"  done in {time.time() - t:.0f}s", flush=True)
     with open(final) as f:
         return json.load(f)
@@ -186,7 +193,7 @@ def setting_flags(a, ds, setting):
     """(--data and --train-file flags, epochs) of one data set in one setting."""
     data_dir = os.path.join(a.data_root, ds)
     if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
-        sys.exit(f"error: --data-root {a.data_root}: no {ds}/train.tsv (label<TAB>sentence, with dev.tsv)")
+        fail(f"--data-root {a.data_root}: no {ds}/train.tsv (label<TAB>sentence, with dev.tsv)")
     n, epochs = PRE_SETTINGS[setting]
     flags = ["--data", data_dir]
     if n is not None:       # named by the source file's content too: another --data-root never reuses it
@@ -239,7 +246,7 @@ def pretrained_runs(a, variants, extra_common):
     order, and the run folder of each. Seed-major: every row's seed 0, then every row's seed 1, ..., so a grid
     stopped early has whole rows at fewer seeds (rerun with --seeds 0 1 2 for their table)."""
     if not os.path.isfile(a.init) and not os.path.isdir(a.init):
-        sys.exit(f"error: --init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+        fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
     finals, dirs = {}, {}
     for setting in a.settings:
         for ds in a.datasets:
@@ -295,7 +302,7 @@ def pretrained_sparse(a):
             accs = (eval_shifts(d, shifts, a.threads) if name != "dense"
                     else {str(s): f["dev"]["dev"]["acc"] for s in shifts})
             if abs(accs["0"] - f["dev"]["dev"]["acc"]) > 1e-9:
-                sys.exit(f"error: {d}: shift 0 gives {accs['0']}, final.json {f['dev']['dev']['acc']}")
+                fail(f"{d}: shift 0 gives {accs['0']}, final.json {f['dev']['dev']['acc']}")
             if not a.keep_ckpt:
                 drop_checkpoints(d)
             per_seed.append([accs[str(s)] for s in shifts])
@@ -383,7 +390,7 @@ def write_results(a, name, table, note, raw):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
@@ -411,9 +418,16 @@ def main(argv=None):
         a.out = os.path.join("out", a.experiment) if pre else os.path.join("out", "experiments")
     if pre and a.init is None:
         ap.error(f"{a.experiment} needs --init PATH (a converted checkpoint)")
-    os.makedirs(a.out, exist_ok=True)
-    {"listops": listops, "pretrained-attendout": pretrained_attendout,
-     "pretrained-sparse": pretrained_sparse}[a.experiment](a)
+    if pre and not os.path.exists(a.init):
+        fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+    if a.threads < 1:
+        fail(f"--threads {a.threads}: must be >= 1")
+    if not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds):
+        fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
+    with one_line_errors():
+        os.makedirs(a.out, exist_ok=True)
+        {"listops": listops, "pretrained-attendout": pretrained_attendout,
+         "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,8 @@ def check_args(args):
         v = getattr(args, name)
         low = 1 if name in AT_LEAST_1 else 0
         if v is not None and not (math.isfinite(v) and v >= low):       # NaN fails too
-            bad(name, f"must be {'a whole number ' if isinstance(v, int) else ''}>= {low}")
-    if not (math.isfinite(args.epochs) and args.epochs > 0):
+            bad(name, f"must be >= {low}")
+    if args.max_steps == 0 and not (math.isfinite(args.epochs) and args.epochs > 0):
         bad("epochs", "must be > 0 (or give --max-steps)")
     if args.gnet_tau is not None and not args.gnet_tau > 0:
         bad("gnet_tau", "the relaxed-Bernoulli temperature must be > 0")
