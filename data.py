@@ -92,7 +92,7 @@ def skipped_warning(skipped, shown=5):
     if not skipped:
         return None
     more = f", ... ({len(skipped) - shown} more)" if len(skipped) > shown else ""
-    return f"{len(skipped)} rows skipped as the task's format allows: {', '.join(skipped[:shown])}{more}"
+    return f"{len(skipped)} rows skipped: {', '.join(skipped[:shown])}{more}"
 
 
 # The nine GLUE tasks, in the official GLUE folder layout (methods.md §4). Columns are header names, or 0-based
@@ -232,12 +232,12 @@ def read_glue(task, path):
     return records, skipped
 
 
-def _as_column(col):
+def _as_column(col, flag):
     """CLI column spec: "3" -> 3, "sentence" -> "sentence", None stays None; "-1" is refused (no counting from the end)."""
     if isinstance(col, str) and col.strip().lstrip("-").isdigit():
         col = int(col)
     if isinstance(col, int) and col < 0:
-        raise DataError(f"column {col}: a column is a header name or a 0-based index (>= 0)")
+        raise DataError(f"{flag} {col}: a column is a header name or a 0-based index (>= 0)")
     return col
 
 
@@ -296,7 +296,8 @@ def read_generic(path, *, text_col, label_col, text_pair_col=None, header="auto"
     Columns are names or 0-based indices. header: True, False or "auto" (= a header row exactly when some
     column is given by name). JSONL lines are objects (by key; an index counts in key order) or lists.
     """
-    text_col, label_col, text_pair_col = _as_column(text_col), _as_column(label_col), _as_column(text_pair_col)
+    text_col, label_col = _as_column(text_col, "--text-col"), _as_column(label_col, "--label-col")
+    text_pair_col = _as_column(text_pair_col, "--text-pair-col")
     cols = [c for c in (text_col, text_pair_col, label_col) if c is not None]
     ext = os.path.splitext(path)[1].lower()
     records = []
