@@ -39,8 +39,10 @@ U_EPS = 1e-6         # u ~ U(0,1) is clamped to [U_EPS, 1 - U_EPS] so log u and 
 KEEP_MIN = 1e-4      # 1 - pi is clamped to >= KEEP_MIN, so 1/(1-pi) <= 1e4 (finite, also in fp16)
 PAIR_MAX = 8.0       # the G-Net's pair term is soft-bounded to +-PAIR_MAX logits (see GNet.logits)
 Z_RANGE = 32.0       # the budget's histogram of drop logits Z covers [-Z_RANGE, Z_RANGE] (clamped beyond) ...
-Z_BINS = 512         # ... in this many bins (0.125 wide): enough to predict the mean rate after a shift
+Z_BINS = 4096        # ... in this many bins (1/64 wide): the mean rate after a shift to within ~1e-3
 SHIFT_MAX = 16.0     # the budget's shifts stay within +-SHIFT_MAX, so clamped logits stay saturated after them
+GNET_SEED = 1_000_033  # the G-Net of layer l draws its init from torch.Generator seeded (run seed + GNET_SEED (l+1))
+MASKS = ("logit", "rowscale", "capped", "inverted")  # --gnet-mask: how the keep mask k is applied (§3.1)
 
 
 # -----------------------------------------------------------------------------
@@ -195,7 +197,7 @@ class GNet(nn.Module):
     std 0.02) does not overwrite the small G-Net init.
     """
 
-    def __init__(self, hidden_size, num_heads, gnet_dim, p0):
+    def __init__(self, hidden_size, num_heads, gnet_dim, p0, seed=0):
         super().__init__()
         self.num_heads, self.gnet_dim = num_heads, gnet_dim
         self.weight = nn.Parameter(torch.empty(2 * num_heads * gnet_dim, hidden_size))  # [W_q | W_k]
@@ -205,11 +207,17 @@ class GNet(nn.Module):
         # checkpoints keep it and `export_without_gnet` drops it with the rest of the G-Net
         self.register_buffer("target", torch.tensor(float("nan")))
         self.p0 = max(float(p0), P0_MIN)
+        self.seed = int(seed)
         self.reset_parameters()
 
     def reset_parameters(self):
         # methods.md §3.1: projections small (std 0.002, zero bias) and beta = logit(p0), so that pi ~ p0 at start.
-        nn.init.normal_(self.weight, std=0.002)
+        # Drawn from the G-Net's own generator, not the global one: building a model with G-Nets then leaves the
+        # global random stream untouched, so at one seed every --attn-dropout method starts from identical
+        # backbone and head weights (a paired comparison, methods.md §3.4).
+        g = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=g) * 0.002)
         nn.init.zeros_(self.bias)
         with torch.no_grad():
             self.beta.fill_(math.log(self.p0 / (1.0 - self.p0)))
@@ -231,21 +239,54 @@ class GNet(nn.Module):
         return self.beta + PAIR_MAX * torch.tanh(pair * (1.0 / PAIR_MAX))
 
 
+# --- the keep mask and the four ways to apply it (--gnet-mask, methods.md §3.1) -----------------------------
+#
+# Every form draws the same keep mask k from the drop logits Z (a relaxed Bernoulli, straight-through):
+#     u ~ U(0,1),  k_soft = sigmoid((log u - log(1-u) - Z) / tau),  k_hard = [k_soft > 0.5]   (P(k_hard = 0) = pi)
+#     k = k_hard + k_soft - k_soft.detach()       forward value k_hard, gradient dk_soft/dZ
+# and differs in what it does to a row of A after dropping, and so in what the G-Net's gradient says:
+#   logit     A'_ij = A_ij k_ij / sum_j A_ij k_ij        = softmax over the kept keys, i.e. the dropped pairs'
+#             logits set to -inf before the softmax. Rows sum to 1 (0 if every key is dropped). The gradient
+#             flows through the row sum: dropping pair j moves its mass to the row's other kept pairs.
+#   rowscale  the same forward, with the row sum treated as a constant in the backward (the straight-through
+#             estimator of the original form: the G-Net sees dropping as removing A_ij's mass).
+#   capped    A'_ij = A_ij k_ij / (1 - pi_ij), pi_ij <= pi_max (--gnet-max-pi): inverted dropout, each pair
+#             rescaled by at most 1 / (1 - pi_max), so a row sums to at most 1 / (1 - pi_max).
+#   inverted  the same without the cap (the first reconstruction): unbiased per pair, E[A'] = A, but a pair
+#             with pi near 1 is rescaled by up to 1 / KEEP_MIN and a row can sum far above 1. 1 / (1 - pi)
+#             is a constant in the backward.
+
+def keep_mask(Z, tau):
+    """Straight-through relaxed Bernoulli keep mask k (float32, shape of Z): forward k_hard, gradient dk_soft/dZ."""
+    u = torch.rand_like(Z)                                                       # u ~ U(0,1)
+    k_soft = torch.sigmoid((u.logit(U_EPS) - Z) * (1.0 / tau))                   # sigmoid((log u - log(1-u) - Z) / tau)
+    k_hard = (k_soft > 0.5).to(k_soft.dtype)
+    return k_hard + k_soft - k_soft.detach()
+
+
+def renormalized_drop(A, Z, tau, constant_sum):
+    """--gnet-mask logit (constant_sum False) and rowscale (True): A' = A k / sum_j A k, per row (last dim).
+
+    A row whose keys are all dropped (or a padding row, all A = 0) gives A' = 0: its sum is replaced by 1, so
+    no gradient is divided by 0."""
+    kept = A.float() * keep_mask(Z, tau)                                         # A k, [.., Q, K]
+    mass = kept.sum(-1, keepdim=True)                                            # sum_j A_ij k_ij, [.., Q, 1]
+    mass = torch.where(mass.detach() > 0, mass, torch.ones_like(mass))
+    if constant_sum:
+        mass = mass.detach()
+    return (kept / mass).to(A.dtype)
+
+
 class RelaxedDrop(torch.autograd.Function):
-    """A' = A * k / (1 - pi).detach() with the straight-through relaxed Bernoulli keep mask k (methods.md §3.1).
+    """--gnet-mask inverted and capped: A' = A * k / (1 - pi), pi a constant in the backward (methods.md §3.1).
 
-        u ~ U(0,1)
-        k_soft = sigmoid((-Z + log u - log(1-u)) / tau)
-        k_hard = [k_soft > 0.5]
-        k      = k_hard + k_soft - k_soft.detach()       (forward value k_hard, gradient dk_soft/dZ)
-
-    Fused into one Function so the [B, H, L, L] passes are few. The forward returns A * k_hard / (1 - pi)
-    and keeps two tensors for the backward:
+    The same keep mask as keep_mask(Z, tau), fused into one Function so the [B, H, L, L] passes are few. The
+    forward returns A * k_hard / (1 - pi) and keeps two tensors for the backward:
         scale = k_hard / (1 - pi)                              dA = g * scale
         w     = A / (1 - pi) * dk_soft/dZ                      dZ = g * w
               = -A / (1 - pi) * k_soft (1 - k_soft) / tau
-    Z is passed through grad_reverse by the caller; pi is a constant here (its own gradient path is the
-    budget term).
+    Z is passed through grad_reverse by the caller; the budget moves pi's level (hold_budget), so pi needs no
+    gradient of its own here.
     """
 
     @staticmethod
@@ -270,6 +311,14 @@ class RelaxedDrop(torch.autograd.Function):
         return dA, dZ, None, None
 
 
+def apply_keep_mask(form, A, Z, pi, tau):
+    """THE G-Net mask (methods.md §3.1): A' from A, the drop logits Z (gradient-reversed by the caller) and
+    pi = sigmoid(Z) (detached), by the --gnet-mask form. Every form keeps invalid pairs (A = 0) at exactly 0."""
+    if form in ("logit", "rowscale"):
+        return renormalized_drop(A, Z, tau, constant_sum=form == "rowscale")
+    return RelaxedDrop.apply(A, Z, pi, tau)                      # inverted, capped (pi already capped)
+
+
 def masked_sum(pi, valid):
     """Sum of pi over the valid pairs and their count, without expanding valid to pi's shape.
 
@@ -289,18 +338,19 @@ def bin_centers(device):
     return -Z_RANGE + width * (torch.arange(Z_BINS, device=device, dtype=torch.float64) + 0.5)   # [Z_BINS]
 
 
-def rates_after_shift(hists, shifts):
-    """Each histogram's mean sigmoid(Z + shift), for every shift. hists [L, Z_BINS] (pair counts per bin),
-    shifts [S] -> [L, S]."""
+def rates_after_shift(hists, shifts, z_max=math.inf):
+    """Each histogram's mean sigmoid(min(Z + shift, z_max)), for every shift. hists [L, Z_BINS] (pair counts per
+    bin), shifts [S] -> [L, S]. z_max: the capped form's logit(pi_max) (inf: no cap)."""
     p = hists.double() / hists.double().sum(-1, keepdim=True).clamp_min(1.0)           # [L, Z_BINS]
     centers = bin_centers(hists.device)[:, None]                                        # [Z_BINS, 1]
-    return torch.einsum("lz,zs->ls", p, torch.sigmoid(centers + shifts.double()))       # [L, S]
+    return torch.einsum("lz,zs->ls", p, torch.sigmoid((centers + shifts.double()).clamp_max(z_max)))  # [L, S]
 
 
-def shift_for_rate(hists, target):
-    """The logit shift eps with mean_l (mean sigmoid(Z + eps) over hists[l]) = target. hists [L, Z_BINS] or
-    [Z_BINS]. The mean is increasing in eps: three rounds of a 64-step grid search, each in the bracket the last
-    one found (precision 2 SHIFT_MAX / 64^3); a few vectorised ops that stay on hists' device (no sync)."""
+def shift_for_rate(hists, target, z_max=math.inf):
+    """The logit shift eps with mean_l (mean sigmoid(min(Z + eps, z_max)) over hists[l]) = target. hists
+    [L, Z_BINS] or [Z_BINS]. The mean is increasing in eps: three rounds of a 64-step grid search, each in the
+    bracket the last one found (precision 2 SHIFT_MAX / 64^3); a few vectorised ops that stay on hists' device
+    (no sync)."""
     hists = hists.reshape(-1, Z_BINS)
     dev = hists.device
     steps = torch.arange(65, device=dev, dtype=torch.float64) / 64                      # [65]
@@ -309,7 +359,7 @@ def shift_for_rate(hists, target):
     want = torch.as_tensor(target, dtype=torch.float64, device=dev).reshape(1)
     for _ in range(3):
         grid = lo + (hi - lo) * steps                                                   # [65] candidate shifts
-        rates = rates_after_shift(hists, grid).mean(0)                                  # [65], increasing
+        rates = rates_after_shift(hists, grid, z_max).mean(0)                           # [65], non-decreasing
         i = torch.searchsorted(rates, want).clamp(1, 64)                                # first rate >= target
         lo, hi = grid[i - 1], grid[i]
     return (0.5 * (lo + hi)).float().reshape(())
@@ -328,18 +378,31 @@ def logit_histogram(Z, valid):
 class AttendOut(AttnDropout):
     """AttendOut for one layer (methods.md §3.1, reconstructed). The layer calls hook(x) in training only."""
 
-    def __init__(self, config):
+    def __init__(self, config, layer_idx=0):
         super().__init__(0.0)  # no plain Bernoulli dropout: the hook does the dropping
         p0 = config.attn_dropout_p
         if not 0.0 <= p0 < 1.0:
             raise ValueError(f"attendout needs 0 <= attn_dropout_p < 1, got {p0}")
-        self.gnet = GNet(config.hidden_size, config.num_heads, config.gnet_dim, p0)  # name == GNET
+        seed = (torch.initial_seed() + GNET_SEED * (layer_idx + 1)) % 2 ** 63   # the run's seed, per layer
+        self.gnet = GNet(config.hidden_size, config.num_heads, config.gnet_dim, p0, seed)  # name == GNET
         self.tau = float(config.gnet_tau)
         rho = float(config.gnet_budget if config.gnet_budget is not None else p0)
         if not 0.0 <= rho < 1.0:
             raise ValueError(f"the G-Net budget must be in [0, 1), got {rho} (--gnet-budget)")
         self.rho = max(rho, P0_MIN)   # as for p0: a budget of exactly 0 has no finite logit to hold
-        self.reverse = True       # gradient reversal on the mask path (False only for tests/ablation)
+        self.form = config.gnet_mask
+        if self.form not in MASKS:
+            raise ValueError(f"unknown gnet_mask {self.form!r} (--gnet-mask): choose one of {', '.join(MASKS)}")
+        self.z_max = math.inf         # the capped form: pi <= pi_max, i.e. Z <= logit(pi_max)
+        if self.form == "capped":
+            pi_max = float(config.gnet_max_pi)
+            if not self.rho < pi_max < 1.0:
+                raise ValueError(f"--gnet-max-pi {pi_max} must be above the budget {self.rho} and below 1")
+            self.z_max = math.log(pi_max / (1.0 - pi_max))
+        self.reverse = bool(config.gnet_reverse)   # gradient reversal on the mask path (False: cooperative G-Net)
+        self.scope = config.gnet_budget_scope      # "mean": the mean over layers is rho; "layer": every layer is
+        if self.scope not in ("mean", "layer"):
+            raise ValueError(f"unknown gnet_budget_scope {self.scope!r} (--gnet-budget-scope): mean or layer")
         self.reset_stats()
 
     @property
@@ -349,33 +412,39 @@ class AttendOut(AttnDropout):
     def reset_stats(self):
         """Forget the drop statistics. The model calls this at the start of every training forward, so they
         always describe exactly one forward: all layout pieces, both HST stages, both SAR / R-Drop views."""
-        # over the real (query, key) pairs: the sum of pi, their count, and a histogram of their logits Z
+        # over the real (query, key) pairs: the sum of pi, their count, and a histogram of their logits Z;
+        # the tail (logged in droprates.jsonl): the largest pi and the largest row sum of A' after dropping
         self.pi_sum, self.pi_count, self.z_hist = None, None, None
+        self.pi_max, self.row_max = None, None
 
     def hook(self, x):
         """x [B, L, d]: the layer input. Returns drop_fn(A, valid, pair_scores) -> A' (contract)."""
         a, c = self.gnet.features(x)  # [B, H, L, d_g] each, computed once per forward
 
         def drop_fn(A, valid, pair_scores):
-            # A [B, H, Lq, Lk] (dense) or the kernel's own layout; valid: bool, broadcastable to A, True for
-            # the real (query, key) pairs the pattern allows (padding rows and columns are False)
+            # A [B, H, Lq, Lk] (dense) or the kernel's own layout, rows along the last dim; valid: bool,
+            # broadcastable to A, True for the real (query, key) pairs the pattern allows
             Z = self.gnet.logits(pair_scores(a, c).float())  # methods.md §3.1: Z = beta + bounded gq gk^T, A's layout
             with torch.no_grad():
                 h = logit_histogram(Z, valid)    # the G-Net's own logits, before the budget's shift
                 target = self.gnet.target        # the budget (methods.md §3.1): shift the logits so that their
-                eps = torch.where(torch.isnan(target), 0.0, shift_for_rate(h, target))   # mean rate = target (NaN:
-                                                                                          # none yet, no shift)
-            Z = Z + eps                          # a constant: the G-Net's gradient is that of its own logits
-            pi = torch.sigmoid(Z)                # drop probability pi
+                eps = torch.where(torch.isnan(target), 0.0,          # mean rate = target (NaN: none yet, no shift)
+                                  shift_for_rate(h, target, self.z_max))
+            Z = (Z + eps).clamp_max(self.z_max)  # eps is a constant: the G-Net's gradient is that of its own logits
+            pi = torch.sigmoid(Z)                # drop probability pi (capped form: <= pi_max)
+            Zr = grad_reverse(Z) if self.reverse else Z  # mask path: the G-Net receives -dL_task/dZ
+            out = apply_keep_mask(self.form, A, Zr, pi.detach(), self.tau)   # THE mask: A' (same layout as A)
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
+                top = (pi if valid is None else pi.masked_fill(~valid, 0.0)).max()
+                rows = out.float().sum(-1).max()
                 first = self.pi_sum is None
                 self.pi_sum = s if first else self.pi_sum + s
                 self.pi_count = n if first else self.pi_count + n
                 self.z_hist = h if first else self.z_hist + h
-            Zr = grad_reverse(Z) if self.reverse else Z  # mask path: G-Net receives -dL_task/dZ
-            # A' = A * k / (1 - pi).detach(); invalid pairs have A = 0 and stay exactly 0
-            return RelaxedDrop.apply(A, Zr, pi.detach(), self.tau)
+                self.pi_max = top if first else torch.maximum(self.pi_max, top)
+                self.row_max = rows if first else torch.maximum(self.row_max, rows)
+            return out
 
         return drop_fn
 
@@ -386,8 +455,8 @@ class AttendOut(AttnDropout):
         return self.pi_sum / self.pi_count.clamp_min(1.0)
 
     def extra_repr(self):
-        return f"tau={self.tau}, rho={self.rho}, reverse={self.reverse}"
-
+        return (f"mask={self.form}, tau={self.tau}, rho={self.rho}, reverse={self.reverse}, budget={self.scope}"
+                + (f", pi_max={1 / (1 + math.exp(-self.z_max)):.3g}" if self.z_max < math.inf else ""))
 
 def attendout_modules(modules):
     """AttendOut modules, in order, from a model (nn.Module) or an iterable of modules."""
@@ -398,22 +467,25 @@ def attendout_modules(modules):
 
 @torch.no_grad()
 def hold_budget(modules, all_reduce=None):
-    """methods.md §3.1 budget (reconstructed): the mean drop rate over layers is rho in every training forward.
+    """methods.md §3.1 budget (reconstructed): the mean drop rate is rho in every training forward.
 
-    After every optimizer step, from the histograms of each layer's own logits Z in the step's forward:
+    After every optimizer step, from the histograms of each layer's own logits Z in the step's forward
+    (--gnet-budget-scope mean, the default: over the mean of layers):
         delta : mean_l E_l[sigmoid(Z + delta)] = rho        one common shift for all layers (shift_for_rate)
         t_l   = E_l[sigmoid(Z + delta)]                      layer l's target rate; mean_l t_l = rho
         beta_l <- beta_l + delta                             the G-Nets' own level follows
+    (--gnet-budget-scope layer: every layer its own delta_l with E_l[sigmoid(Z + delta_l)] = rho, so t_l = rho.)
     In the next training forward, layer l shifts its logits by the eps_l that makes its mean rate over the real
     pairs exactly t_l (AttendOut.hook, shift_for_rate), so the mean over layers is rho by construction, not
-    one step late: the G-Net's projections can move its logits a lot in one step.
+    one step late: the G-Net's projections can move its logits a lot in one step. The capped form's cap
+    (Z <= logit(pi_max)) is part of every rate computed here.
 
     What the G-Net learns (which layers, heads and pairs drop more, by the reversed task gradient) is kept:
-    every layer moves by the same delta, so the targets keep the layers' order and spread. (A penalty
-    lambda (m - rho)^2 could not hold the level against the reversed task gradient, which keeps pushing every
-    rate up.) Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so every replica
-    sets the same targets. Returns (m, delta): the mean rate of the step's forward and the shift; or None when
-    no AttendOut layer ran."""
+    with scope "mean" every layer moves by the same delta, so the targets keep the layers' order and spread.
+    (A penalty lambda (m - rho)^2 could not hold the level against the reversed task gradient, which keeps
+    pushing every rate up.) Call it after optimizer.step(). all_reduce: sums a tensor over processes (DDP), so
+    every replica sets the same targets. Returns (m, delta): the mean rate of the step's forward and the (mean)
+    shift; or None when no AttendOut layer ran."""
     mods = attendout_modules(modules)
     if not mods:
         return None
@@ -427,27 +499,42 @@ def hold_budget(modules, all_reduce=None):
     if not bool(ran.any()):
         return None
     mean = (stats[ran, 0] / stats[ran, 1]).mean().item()                              # m, as applied
-    delta = shift_for_rate(stats[ran, 2:], mods[0].rho).item()                         # one shift for all
-    targets = rates_after_shift(stats[ran, 2:], torch.tensor([delta]))[:, 0]           # t_l, mean rho
-    for m, t in zip([m for m, r in zip(mods, ran.tolist()) if r], targets.tolist()):
+    rho, z_max = mods[0].rho, mods[0].z_max
+    hists = stats[ran, 2:]                                                            # [L_ran, Z_BINS]
+    if mods[0].scope == "layer":
+        deltas = torch.stack([shift_for_rate(h, rho, z_max) for h in hists]).double()  # delta_l, one per layer
+        targets = torch.full((len(hists),), rho, dtype=torch.float64)                  # t_l = rho
+    else:
+        deltas = shift_for_rate(hists, rho, z_max).double().expand(len(hists))         # one shift for all
+        targets = rates_after_shift(hists, deltas[:1], z_max)[:, 0]                    # t_l, mean rho
+    for m, t, d in zip([m for m, r in zip(mods, ran.tolist()) if r], targets.tolist(), deltas.tolist()):
         m.gnet.target.fill_(t)
-    for m in mods:
-        m.gnet.beta.add_(delta)
-    return mean, delta
+        m.gnet.beta.add_(d)
+    if mods[0].scope == "mean":                                                       # layers that did not run
+        for m, r in zip(mods, ran.tolist()):                                          # follow the common level
+            if not r:
+                m.gnet.beta.add_(deltas[0].item())
+    return mean, deltas.mean().item()
 
 
 def drop_rates(modules):
     """Mean drop probability per AttendOut layer in the last training forward, as floats (nan: did not run)."""
-    out = []
-    for m in attendout_modules(modules):
-        r = m.mean_pi()
-        out.append(float(r) if r is not None else float("nan"))
-    return out
+    return [float(m.mean_pi()) if m.mean_pi() is not None else float("nan") for m in attendout_modules(modules)]
+
+
+def drop_tails(modules):
+    """Per AttendOut layer in the last training forward: (largest pi over real pairs, largest row sum of A' after
+    dropping), as two lists of floats (nan: did not run). The mask's tail, logged beside the mean rates."""
+    mods = attendout_modules(modules)
+    return ([float(m.pi_max) if m.pi_max is not None else float("nan") for m in mods],
+            [float(m.row_max) if m.row_max is not None else float("nan") for m in mods])
 
 
 class DropRateLogger:
-    """Writes {"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L]} JSON lines every log_interval steps
-    (methods.md §3.1 logging) to path (e.g. OUT/droprates.jsonl). The file is started afresh on construction."""
+    """Writes {"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "max_pi": [..], "max_row_sum": [..]}
+    JSON lines every log_interval steps (methods.md §3.1 logging) to path (e.g. OUT/droprates.jsonl): per layer
+    the mean drop probability, the largest single pi and the largest attention-row sum after dropping. The
+    file is started afresh on construction."""
 
     def __init__(self, path, log_interval, append=False):
         self.path, self.log_interval = path, max(int(log_interval), 1)
@@ -455,15 +542,17 @@ class DropRateLogger:
             open(self.path, "w").close()
 
     def log(self, step, step_frac, rates, last=False, **extra):
-        """rates: a model / list of modules (-> drop_rates) or a list of floats; extra: more numbers for the
-        line (the trainer adds "mean" and the budget's "shift"); last=True: the run's final step, always
-        written (a schedule replayed from this file then ends at the rates the run ended with).
+        """rates: a model / list of modules (-> drop_rates and drop_tails) or a list of floats; extra: more
+        numbers for the line (the trainer adds "mean" and the budget's "shift"); last=True: the run's final
+        step, always written (a schedule replayed from this file then ends at the rates the run ended with).
         Returns True if written."""
         if step % self.log_interval != 0 and not last:
             return False
+        tails = {}
         if isinstance(rates, nn.Module) or any(isinstance(r, nn.Module) for r in rates):
+            tails = dict(zip(("max_pi", "max_row_sum"), drop_tails(rates)))
             rates = drop_rates(rates)
-        rec = {"step": int(step), "step_frac": float(step_frac), "drop_rate": [float(r) for r in rates],
+        rec = {"step": int(step), "step_frac": float(step_frac), "drop_rate": [float(r) for r in rates], **tails,
                **{k: float(v) for k, v in extra.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -487,5 +576,5 @@ def make_attn_dropout(config, layer_idx):
     if method == "scheduled":
         return make_scheduled(config.schedule, config.num_layers, layer_idx)
     if method == "attendout":
-        return AttendOut(config)
+        return AttendOut(config, layer_idx)
     raise ValueError(f"unknown attn_dropout {method!r}: --attn-dropout must be one of {', '.join(METHODS)}")

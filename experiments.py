@@ -128,6 +128,20 @@ PRE_ATTENDOUT_VARIANTS = {  # baseline first; "scheduled" replays the attendout 
     "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
     "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
 }
+# The AttendOut ablation (methods.md §3.4): which part of the G-Net moves the result. Every row is an AttendOut
+# run but the baseline; "attendout" is the default form (Config.gnet_mask), so it is the same run folder as the
+# attendout row of pretrained-attendout, and the other rows change one thing each.
+ABLATION_VARIANTS = {
+    "standard": ["--attn-dropout", "standard"],
+    "attendout": ["--attn-dropout", "attendout"],                                      # the default mask form
+    "frozen": ["--attn-dropout", "attendout", "--gnet-lr", "0"],                      # the same path, no learning
+    "logit": ["--attn-dropout", "attendout", "--gnet-mask", "logit"],                 # rows renormalised
+    "inverted": ["--attn-dropout", "attendout", "--gnet-mask", "inverted"],           # A k / (1 - pi), unbounded
+    "capped": ["--attn-dropout", "attendout", "--gnet-mask", "capped"],               # pi <= 0.5
+    "rowscale": ["--attn-dropout", "attendout", "--gnet-mask", "rowscale"],           # logit's forward, constant sum
+    "cooperative": ["--attn-dropout", "attendout", "--gnet-cooperative"],             # no gradient reversal
+    "layer_budget": ["--attn-dropout", "attendout", "--gnet-budget-scope", "layer"],  # rho in every layer
+}
 # ERNIE-Sparse: b = 8 gives 3-4 blocks for a typical sentence (up to 8 at max length 64); window 1 and one
 # global token ([CLS]); no random blocks, so a block outside the window is seen only through the global token.
 PRE_SPARSE_TOPOLOGY = ["--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0"]
@@ -286,6 +300,74 @@ def pretrained_attendout(a):
         plot_pretrained_droprates(a)
 
 
+def attendout_ablation(a):
+    """Every row's dev accuracy, its paired difference to standard dropout, and from each run's droprates.jsonl
+    the final per-layer rates and the largest pi / attention-row sum seen in training."""
+    import model
+    default = model.Config().gnet_mask
+    variants = {k: v for k, v in ABLATION_VARIANTS.items() if k != default}   # the default form is "attendout"
+    finals, dirs = pretrained_runs(a, variants, [])
+    if a.dry_run:
+        return
+    rows, raw = [], {}
+    for (ds, setting, name), fs in finals.items():
+        acc = [f["dev"]["dev"]["acc"] for f in fs]
+        key = f"{ds}-{setting}"
+        raw.setdefault(key, {})[name] = {"acc": acc}
+        base = raw[key]["standard"]["acc"]
+        rates, tail = "", ""
+        if name != "standard":
+            logs = [read_jsonl(os.path.join(d, "droprates.jsonl")) for d in dirs[(ds, setting, name)]]
+            final = [statistics.mean(log[-1]["drop_rate"][l] for log in logs) for l in range(len(logs[0][-1]["drop_rate"]))]
+            pi_max = max(max(r.get("max_pi", [math.nan])) for log in logs for r in log)
+            row_max = max(max(r.get("max_row_sum", [math.nan])) for log in logs for r in log)
+            raw[key][name].update(final_rates=final, max_pi=pi_max, max_row_sum=row_max)
+            rates = " / ".join(f"{r:.3f}" for r in final)
+            tail = f"{pi_max:.2f} | {row_max:.2f}"
+        else:
+            tail = "- | -"
+        if not a.keep_ckpt:
+            for d in dirs[(ds, setting, name)]:
+                drop_checkpoints(d)
+        label = f"attendout ({default}, default)" if name == "attendout" else name
+        rows.append(f"| {ds} | {label} | {fmt(acc)} | {fmt_diff(base, acc)} | {rates or '-'} | {tail} "
+                    f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
+    table = ["| data | row | dev acc (%) | paired diff to standard, 95% CI (points) | final drop rate, layers 1..L "
+             "| largest pi | largest row sum | time per run (s) |", "|---|---|---|---|---|---|---|---|", *rows]
+    write_results(a, "attendout_ablation" + settings_suffix(a), table, pretrained_note(a), raw)
+    plot_ablation_rates(a, raw)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_ablation_rates(a, raw):
+    """docs/droprates_ablation[_SUFFIX].png: each AttendOut row's final per-layer drop rate (mean over seeds), one
+    panel per data set and setting."""
+    name = "droprates_ablation" + settings_suffix(a)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no docs/{name}.png")
+        return
+    fig, axes = plt.subplots(1, len(raw), figsize=(5.5 * len(raw), 3.6), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], raw.items()):
+        for row, r in rows.items():
+            if "final_rates" in r:
+                ax.plot(range(1, len(r["final_rates"]) + 1), r["final_rates"], marker="o", label=row)
+        ax.set_title(f"final drop rate per layer ({key})")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("mean drop probability")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.docs, f"{name}.png"), dpi=120)
+    print(f"wrote {a.docs}/{name}.png")
+
+
 def pretrained_sparse(a):
     finals, dirs = pretrained_runs(a, PRE_SPARSE_VARIANTS, PRE_SPARSE_TOPOLOGY)
     b = int(PRE_SPARSE_TOPOLOGY[PRE_SPARSE_TOPOLOGY.index("--block-size") + 1])
@@ -391,7 +473,7 @@ def write_results(a, name, table, note, raw):
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "pretrained-sparse"])
+    ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "attendout-ablation", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
@@ -411,11 +493,13 @@ def main(argv=None):
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
-    pre = a.experiment.startswith("pretrained")
+    pre = a.experiment != "listops"
     if a.seeds is None:
-        a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]
+        a.seeds = [0, 1, 2, 3, 4] if "attendout" in a.experiment else [0, 1, 2]
     if a.out is None:
-        a.out = os.path.join("out", a.experiment) if pre else os.path.join("out", "experiments")
+        # the ablation shares pretrained-attendout's folder: its standard and attendout rows are the same runs
+        a.out = (os.path.join("out", "pretrained-attendout") if a.experiment == "attendout-ablation"
+                 else os.path.join("out", a.experiment) if pre else os.path.join("out", "experiments"))
     if pre and a.init is None:
         ap.error(f"{a.experiment} needs --init PATH (a converted checkpoint)")
     if pre and not os.path.exists(a.init):
@@ -426,7 +510,7 @@ def main(argv=None):
         fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)
-        {"listops": listops, "pretrained-attendout": pretrained_attendout,
+        {"listops": listops, "pretrained-attendout": pretrained_attendout, "attendout-ablation": attendout_ablation,
          "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 

@@ -68,7 +68,13 @@ class Config:
     gnet_dim: int = 16                # d_g, G-Net projection size per head
     gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
     gnet_budget: float | None = None  # rho, the mean drop rate the G-Nets are held at; None: attn_dropout_p
-    gnet_lr: float = 3e-3             # the G-Nets' own peak learning rate (AdamW, no decay, same schedule)
+    gnet_lr: float = 3e-3             # the G-Nets' own peak learning rate (AdamW, no decay, same schedule; 0: frozen)
+    gnet_mask: str = "logit"          # how the keep mask is applied (attendout.apply_keep_mask, methods.md §3.1):
+                                      # "logit" | "rowscale" | "capped" | "inverted"
+    gnet_max_pi: float = 0.5          # "capped": no pair's drop probability exceeds this (rescale <= 1/(1 - it))
+    gnet_reverse: bool = True         # gradient reversal: the G-Net maximises the task loss (False: cooperative)
+    gnet_budget_scope: str = "mean"   # "mean": the mean rate over layers is held at rho; "layer": every layer's
+                                      # own rate is (methods.md §3.1 budget)
     schedule: str = ""                # scheduled dropout: a droprates.jsonl FILE or "linear:P_LOW:P_HIGH"
     layerdrop: float = 0.0            # LayerDrop: skip a whole layer with this probability (training)
     attn_layerdrop: float = 0.0       # Attn.LayerDrop: skip only the attention sub-layer (training)

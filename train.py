@@ -44,7 +44,7 @@ from tqdm import tqdm
 import data
 import qa
 import sar
-from attendout import GNET, DropRateLogger, drop_rates, hold_budget
+from attendout import GNET, DropRateLogger, hold_budget
 from infra import (DDP, ArgumentParser, StopFlag, all_reduce_sum, all_true, append_jsonl, check_out, check_replicas,
                    clear_out, fail, gather_rng_states, is_main, lock_out, one_line_errors, public_args, resolve_device,
                    rng_state, save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn,
@@ -130,6 +130,14 @@ def make_parser():
     g.add_argument("--gnet-lr", type=float, default=None, help="the G-Nets' own peak learning rate (default 3e-3)")
     g.add_argument("--gnet-tau", type=float, default=None, help="relaxed-Bernoulli temperature")
     g.add_argument("--gnet-dim", type=int, default=None, help="d_g, G-Net projection size per head")
+    g.add_argument("--gnet-mask", choices=["logit", "rowscale", "capped", "inverted"], default=None,
+                   help="how the G-Net's keep mask is applied (methods.md §3.1; default logit)")
+    g.add_argument("--gnet-max-pi", type=float, default=None,
+                   help="--gnet-mask capped: the largest drop probability of any pair (default 0.5)")
+    g.add_argument("--gnet-cooperative", dest="gnet_reverse", action="store_false", default=None,
+                   help="no gradient reversal: the G-Net minimises the task loss (an ablation)")
+    g.add_argument("--gnet-budget-scope", choices=["mean", "layer"], default=None,
+                   help="hold the mean drop rate over layers at rho (mean, default) or every layer's (layer)")
     g.add_argument("--schedule", default=None, help="scheduled dropout: a droprates.jsonl or linear:P_LOW:P_HIGH")
     g.add_argument("--layerdrop", type=float, default=None, help="LayerDrop probability")
     g.add_argument("--attn-layerdrop", type=float, default=None, help="Attn.LayerDrop probability")
@@ -144,7 +152,8 @@ def make_parser():
 # flag name -> Config field, for the flags that mirror Config
 CONFIG_FLAGS = ("ffn_chunk", "attention", "block_size", "window", "num_global", "num_random", "flex_attention", "max_positions", "attn_dropout",
                 "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lr", "gnet_tau", "gnet_dim",
-                "schedule", "layerdrop", "attn_layerdrop")
+                "gnet_mask", "gnet_max_pi", "gnet_reverse", "gnet_budget_scope", "schedule", "layerdrop", "attn_layerdrop")
+GNET_FLAGS = tuple(f for f in CONFIG_FLAGS if f.startswith("gnet_"))   # AttendOut's own knobs
 
 
 def parse_args(argv):
@@ -320,7 +329,7 @@ def check_flags(args, cfg, task):
     if cfg.attention != "dense" and cfg.block_size > longest:
         warn(f"--block-size {cfg.block_size} is larger than the longest sequence ({longest} tokens): every sequence "
              "is one block (sparse attention is then dense)")
-    if cfg.attn_dropout != "attendout" and any(f in args.given for f in ("gnet_budget", "gnet_lr", "gnet_tau", "gnet_dim")):
+    if cfg.attn_dropout != "attendout" and any(f in args.given for f in GNET_FLAGS):
         warn("--gnet-* flags have no effect without --attn-dropout attendout")
     model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
     if args.resume and model_flags:
@@ -656,7 +665,7 @@ def train(r):
             bar.update(1)
             log_step(r, step, numbers, meter, bar, use_bar)
             if gnet_log is not None:
-                gnet_log.log(step, step / r.total, drop_rates(r.raw), last=step == r.total, **numbers.get("budget", {}))
+                gnet_log.log(step, step / r.total, r.raw, last=step == r.total, **numbers.get("budget", {}))
             if step == r.total and r.world > 1:
                 check_replicas(r.raw, r.device, r.world)
             if step == r.total or (args.eval_every and step % args.eval_every == 0) or (not args.eval_every and epoch_done):

@@ -24,7 +24,8 @@ D = H * DH
 
 def make_config(**kw):
     cfg = dict(attn_dropout="attendout", attn_dropout_p=0.1, num_heads=H, hidden_size=D, gnet_dim=4,
-               gnet_tau=0.5, gnet_budget=None, schedule="", num_layers=3)
+               gnet_tau=0.5, gnet_budget=None, schedule="", num_layers=3, gnet_mask="inverted",
+               gnet_max_pi=0.5, gnet_reverse=True, gnet_budget_scope="mean")
     cfg.update(kw)
     return types.SimpleNamespace(**cfg)
 
@@ -237,12 +238,13 @@ def test_budget_step_lands_on_rho():
 
 def test_budget_shift_solves_the_mean_of_a_histogram():
     hist = torch.zeros(2, ao.Z_BINS, dtype=torch.float64)
-    hist[0, 10], hist[0, 200], hist[1, 128] = 5, 5, 1          # a spread layer and a flat one
+    k1, k2, k3 = (ao.Z_BINS * k // 512 for k in (10, 200, 128))  # logits -31.4, -19.5, -24.0 at any bin count
+    hist[0, k1], hist[0, k2], hist[1, k3] = 5, 5, 1          # a spread layer and a flat one
     delta = ao.shift_for_rate(hist, 0.2).item()
     width = 2 * ao.Z_RANGE / ao.Z_BINS
     c = lambda k: -ao.Z_RANGE + width * (k + 0.5)
     sig = lambda z: 1 / (1 + math.exp(-z))
-    got = (0.5 * (sig(c(10) + delta) + sig(c(200) + delta)) + sig(c(128) + delta)) / 2
+    got = (0.5 * (sig(c(k1) + delta) + sig(c(k2) + delta)) + sig(c(k3) + delta)) / 2
     assert got == pytest.approx(0.2, abs=1e-5)                   # the grid search's precision: 32 / 64^3
 
 
@@ -394,3 +396,156 @@ def test_gnet_logits_stay_within_the_bound_of_beta():
     assert pair.abs().max() > 1e3 and (Z - beta).abs().max() <= ao.PAIR_MAX
     small = m.gnet.logits(torch.tensor(0.01))                 # near 0 it is the plain pair term
     assert (small - beta).item() == pytest.approx(0.01, rel=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# the mask forms (--gnet-mask, methods.md §3.1): what a row of A looks like after dropping
+
+def adversarial_module(form, **kw):
+    """An adversarially strong G-Net: projections scaled up 500x (std 1), beta at 0, so pi spreads over (0, 1)
+    with some pairs near sigmoid(PAIR_MAX) = 0.9997 and many in between (a kept pair at pi = 0.9 is rescaled
+    10x by the inverted form)."""
+    m = ao.make_attn_dropout(make_config(gnet_mask=form, attn_dropout_p=0.1, **kw), 0).train()
+    with torch.no_grad():
+        m.gnet.weight.normal_(std=1.0, generator=torch.Generator().manual_seed(0))
+        m.gnet.beta.zero_()
+    return m
+
+
+def row_sums_after_drop(m, seed=0):
+    x, q, k, v, mask = inputs(seed)
+    valid = mask.bool()[:, None, None, :]
+    A = (q @ k.transpose(-1, -2)).masked_fill(~valid, -1e9).softmax(-1)
+    m.reset_stats()
+    out = m.hook(x)(A, valid, lambda a, c: a @ c.transpose(-1, -2))
+    return out.sum(-1), m
+
+
+@pytest.mark.parametrize("form, bound", [("logit", 1.0), ("rowscale", 1.0), ("capped", 2.0)])
+def test_bounded_forms_keep_every_row_sum_under_their_bound(form, bound):
+    # the default form (logit) and the other bounded ones, against the strongest G-Net the bound allows, over
+    # many draws of the mask; the unbounded inverted form, in the same setting, goes far above (next test)
+    assert ao.MASKS[0] == "logit"
+    worst, top_pi = 0.0, 0.0
+    for seed in range(20):
+        sums, m = row_sums_after_drop(adversarial_module(form), seed)
+        worst, top_pi = max(worst, sums.max().item()), max(top_pi, m.pi_max.item())
+        assert m.row_max.item() == pytest.approx(sums.max().item(), rel=1e-6)   # what droprates.jsonl logs
+    assert worst <= bound + 1e-5
+    if form == "capped":
+        assert top_pi <= 0.5 + 1e-6                            # --gnet-max-pi's default
+    else:
+        assert top_pi > 0.99                                   # the G-Net really is adversarially strong
+
+
+def test_inverted_form_rows_can_sum_far_above_one():
+    worst = max(row_sums_after_drop(adversarial_module("inverted"), seed)[0].max().item() for seed in range(20))
+    assert worst > 20.0                                       # 135 with this generator
+
+
+def test_logit_form_is_the_softmax_over_the_kept_keys():
+    # forward: dropping by the keep mask then renormalising = setting the dropped pairs' logits to -inf before
+    # the softmax (same u). Gradient: "logit" differentiates the row sum, "rowscale" treats it as a constant.
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 6, 6)
+    Z = torch.randn(2, 3, 6, 6)
+    g = torch.randn(2, 3, 6, 6)
+    results = {}
+    for form in ("logit", "rowscale"):
+        sr = s.clone().requires_grad_()
+        torch.manual_seed(1)
+        out = ao.apply_keep_mask(form, sr.softmax(-1), Z, torch.sigmoid(Z), 0.5)
+        results[form] = (out, torch.autograd.grad((out * g).sum(), sr)[0])
+    torch.manual_seed(1)
+    u = torch.rand_like(Z)
+    k_hard = torch.sigmoid((u.logit(ao.U_EPS) - Z) / 0.5) > 0.5
+    sr = s.clone().requires_grad_()
+    ref = sr.masked_fill(~k_hard, float("-inf")).softmax(-1).nan_to_num(0.0)   # a row with no kept key: 0
+    ref_grad = torch.autograd.grad((ref * g).sum(), sr)[0]
+    torch.testing.assert_close(results["logit"][0], ref)
+    torch.testing.assert_close(results["rowscale"][0], ref)
+    torch.testing.assert_close(results["logit"][1], ref_grad)                  # the exact gradient
+    assert not torch.allclose(results["rowscale"][1], ref_grad)                # the constant-sum estimator
+
+
+def test_capped_budget_lands_on_rho_and_per_layer_scope_holds_every_layer():
+    torch.manual_seed(0)
+    x, q, k, v, mask = inputs()
+    for form, scope in (("capped", "mean"), ("logit", "layer")):
+        mods = [adversarial_module(form, gnet_budget_scope=scope) for _ in range(3)]
+        with torch.no_grad():
+            mods[0].gnet.beta.fill_(-3.0)                     # layers at different levels
+            mods[2].gnet.beta.fill_(2.0)
+        for _ in range(2):                                    # 1st forward: no target yet; then held
+            for m in mods:
+                row_sums_after_drop(m)
+            mean, _ = ao.hold_budget(mods)
+        rates = ao.drop_rates(mods)
+        assert sum(rates) / 3 == pytest.approx(0.1, abs=2e-3)
+        if scope == "layer":
+            assert rates == [pytest.approx(0.1, abs=2e-3)] * 3
+        else:
+            assert max(rates) - min(rates) > 0.05             # the mean scope keeps the layers' spread
+            assert max(m.pi_max.item() for m in mods) <= 0.5 + 1e-6
+
+
+def test_gnet_init_leaves_the_global_random_stream_alone():
+    torch.manual_seed(3)
+    ao.make_attn_dropout(make_config(), 0)
+    after_gnet = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(3), after_gnet)
+    torch.manual_seed(3)
+    w3 = ao.make_attn_dropout(make_config(), 1).gnet.weight.clone()
+    torch.manual_seed(4)
+    assert not torch.equal(ao.make_attn_dropout(make_config(), 1).gnet.weight, w3)   # the run's seed counts
+    torch.manual_seed(3)
+    assert not torch.equal(ao.make_attn_dropout(make_config(), 0).gnet.weight, w3)   # and the layer
+
+
+# -----------------------------------------------------------------------------
+# through train.py: the flags, the paired seeds and the drop-rate log
+
+import train  # noqa: E402
+from test_train import TINY, listops_dir, run_main  # noqa: E402,F401
+
+
+def test_every_method_starts_from_the_same_weights(listops_dir, tmp_path):
+    # at one seed, standard / none / scheduled / attendout build identical backbone and head weights (the
+    # G-Nets draw from their own generator), so the methods' comparison is paired
+    states = {}
+    for method in ("standard", "none", "attendout", "scheduled"):
+        extra = ["--schedule", "linear:0.1:0.3"] if method == "scheduled" else []
+        args = train.parse_args(["--task", "listops", "--data", listops_dir, "--out", str(tmp_path / method),
+                                 "--attn-dropout", method, "--seed", "7", *extra, *TINY])
+        full = train.setup(args).raw.state_dict()
+        assert any(ao.GNET in k for k in full) == (method == "attendout")
+        states[method] = {k: v for k, v in full.items() if ao.GNET not in k.split(".")}
+    for method, st in states.items():
+        assert st.keys() == states["standard"].keys()
+        for k, v in st.items():
+            assert torch.equal(v, states["standard"][k]), f"{method}: {k} differs from standard's"
+
+
+def test_mask_flags_reach_the_model_and_the_log(listops_dir, tmp_path, capfd):
+    out = tmp_path / "capped"
+    code, _, err = run_main(["--task", "listops", "--data", listops_dir, "--out", str(out), "--max-steps", "3",
+                             "--batch-size", "8", "--log-every", "1", "--attn-dropout", "attendout",
+                             "--gnet-mask", "capped", "--gnet-max-pi", "0.3", "--gnet-cooperative",
+                             "--gnet-budget-scope", "layer", *TINY], capfd)
+    assert code == 0, err
+    ckpt = torch.load(out / "ckpt_last.pt", weights_only=True)
+    cfg = ckpt["config"]
+    assert (cfg["gnet_mask"], cfg["gnet_max_pi"], cfg["gnet_reverse"], cfg["gnet_budget_scope"]) == \
+        ("capped", 0.3, False, "layer")
+    lines = [json.loads(line) for line in open(out / "droprates.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert all(0 < p <= 0.3 + 1e-6 for r in lines for p in r["max_pi"])
+    assert all(1.0 - 1e-3 < s <= 1 / (1 - 0.3) + 1e-5 for r in lines for s in r["max_row_sum"])
+    out = tmp_path / "default"
+    code, _, err = run_main(["--task", "listops", "--data", listops_dir, "--out", str(out), "--max-steps", "2",
+                             "--batch-size", "8", "--log-every", "1", "--attn-dropout", "attendout", *TINY], capfd)
+    assert code == 0, err
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["config"]["gnet_mask"] == "logit"
+    lines = [json.loads(line) for line in open(out / "droprates.jsonl")]
+    assert all(s <= 1.0 + 1e-5 for r in lines for s in r["max_row_sum"])
