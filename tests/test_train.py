@@ -57,13 +57,6 @@ def tsv_args(folder, out):
             "--out", str(out), *TINY]
 
 
-@pytest.fixture(scope="module")
-def listops_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("listops"))
-    data.write_listops(folder, 64, 16, 4, min_len=5, max_len=30, seed=0, max_depth=3, max_args=3)
-    return folder
-
-
 def listops_args(folder, out, steps=1):
     return ["--task", "listops", "--data", folder, "--out", str(out), "--max-steps", str(steps),
             "--batch-size", "8", *TINY]
