@@ -549,3 +549,21 @@ def test_mask_flags_reach_the_model_and_the_log(listops_dir, tmp_path, capfd):
     assert torch.load(out / "ckpt_last.pt", weights_only=True)["config"]["gnet_mask"] == "logit"
     lines = [json.loads(line) for line in open(out / "droprates.jsonl")]
     assert all(s <= 1.0 + 1e-5 for r in lines for s in r["max_row_sum"])
+
+
+def test_gnet_gradient_does_not_shrink_the_backbone_step(listops_dir, tmp_path):
+    # the G-Nets' reversed gradient can be 1e5 times the backbone's; clipped together it would scale the
+    # backbone's step down to nothing. train.clip_gradients clips the two apart.
+    args = train.parse_args(["--task", "listops", "--data", listops_dir, "--out", str(tmp_path),
+                             "--attn-dropout", "attendout", *TINY])
+    model = train.setup(args).raw
+    for n, p in model.named_parameters():
+        p.grad = torch.full_like(p, 1e4 if ao.GNET in n.split(".") else 1e-4)
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norms = train.clip_gradients(model, 1.0)
+    assert norms["gnet_grad_norm"] > 1e4 and norms["grad_norm"] < 1.0
+    for n, p in model.named_parameters():
+        if ao.GNET in n.split("."):
+            assert p.grad.abs().max() < 1.0                            # the G-Nets are clipped on their own
+        else:
+            assert torch.equal(p.grad, before[n])                      # the backbone's gradient is untouched
