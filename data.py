@@ -836,8 +836,17 @@ def main(argv=None):
     t.add_argument("text")
     t.add_argument("pair", nargs="?")
     args = parser.parse_args(argv)
+    if args.command == "listops":        # refused up front: nothing generated for minutes, then not written
+        for name in ("train", "val", "test", "min_len", "max_len"):
+            if getattr(args, name) < 0:
+                parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
+        if args.train + args.val + args.test == 0:
+            parser.error("--train, --val and --test are all 0: nothing to generate")
+    elif args.max_len is not None and args.max_len < 1:
+        parser.error(f"--max-len {args.max_len}: must be >= 1")
     with one_line_errors():
         if args.command == "listops":
+            os.makedirs(args.out_dir, exist_ok=True)
             paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len,
                                   args.seed, args.max_depth, args.max_args, progress=True)
             print(" ".join(paths.values()))

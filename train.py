@@ -303,6 +303,9 @@ def check_data(args, task, data_dir):
         warn(f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt")
     if task.skipped:
         warn(data.skipped_warning(task.skipped))
+    if args.batch_size > len(task.train):
+        warn(f"--batch-size {args.batch_size} is larger than the training set ({len(task.train)} examples): every "
+             "step sees all of them")
     if task.n_truncated and task.num_labels == 0:
         warn(f"{task.n_truncated} lines were longer than --max-len {args.max_len} and were split into chunks")
     elif task.n_truncated:
