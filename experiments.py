@@ -259,8 +259,6 @@ def pretrained_runs(a, variants, extra_common):
     """Run (or only print, --dry-run) the grid; returns {(ds, setting, variant): [final.json, ...]} in seed
     order, and the run folder of each. Seed-major: every row's seed 0, then every row's seed 1, ..., so a grid
     stopped early has whole rows at fewer seeds (rerun with --seeds 0 1 2 for their table)."""
-    if not os.path.isfile(a.init) and not os.path.isdir(a.init):
-        fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
     finals, dirs = {}, {}
     for setting in a.settings:
         for ds in a.datasets:

@@ -1,8 +1,9 @@
 """infra.py: the plumbing of train.py that a reader of the training loop need not read first.
 
-What it is: one-line errors and warnings, torchrun / DDP setup, seeding and RNG capture (for exact resume),
-the run folder (refusing to overwrite, trimming logs on resume), atomic checkpoint writing, and the
-Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
+What it is: one-line errors and warnings (one_line_errors: the one place where what user input can raise
+becomes one `error:` line, for every entry point), torchrun / DDP setup, seeding and RNG capture (for exact
+resume), the run folder (its lock, refusing to overwrite, trimming logs on resume), atomic checkpoint writing,
+and the Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
 
 How to run it: it is not run on its own; `python train.py` uses it.
 """
@@ -51,7 +52,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def user_error_line(e):
     """The one line for an error that user input raises (a bad file, flag or checkpoint): the file, line, flag
     or value at fault comes from the message when the raiser knew it (DataError, CheckpointError do)."""
-    if isinstance(e, UnicodeDecodeError):       # a reader that did not name its file (vocab.read_text does)
+    if isinstance(e, UnicodeDecodeError):       # a reader that did not name its file (data.read_text does)
         return f"not UTF-8 text: byte {e.object[e.start:e.start + 1].hex()} ({e.reason})"
     if isinstance(e, OSError):                  # disk full, read-only, a folder where a file should be, ...
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)

@@ -10,6 +10,7 @@ sparse.py) and the *attention-dropout method* (standard, none, AttendOut, schedu
 
 How to run it:
     python model.py convert HF_DIR OUT.pt        # HF folder (config.json + weights + tokenizer) -> one file
+    (convert / export keep an existing OUT.pt unless --force)
     python model.py info OUT.pt                   # print the config and parameter count
     >>> from model import load_pretrained
     >>> model = load_pretrained("OUT.pt", attention="sparse", max_positions=4096)
@@ -725,6 +726,8 @@ def save_atomic(obj, path):
             os.remove(tmp)
         if isinstance(e, RuntimeError):     # torch.save's "file write failed": the disk is full, most likely
             raise OSError(f"{path}: could not write the checkpoint ({str(e).splitlines()[0]}); is the disk full?") from None
+        if isinstance(e, OSError):          # ENOSPC from fsync, a read-only folder: name the checkpoint
+            raise OSError(f"{path}: could not write the checkpoint ({e.strerror or e})") from None
         raise
 
 
