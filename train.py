@@ -257,6 +257,9 @@ def read_init(args):
         cfg, state, tok_files, _ = read_checkpoint(args.init)
     except CheckpointError as e:
         fail(f"--init: {e}")
+    if not tok_files:      # a fine-tuned model reads text through its own tokenizer only
+        fail(f"--init {args.init}: no tokenizer files in it (an HF folder needs its tokenizer.json / vocab files; "
+             "convert it again with python model.py convert)")
     return cfg, state, tok_files
 
 
