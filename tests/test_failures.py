@@ -254,6 +254,17 @@ def test_broken_checkpoints_and_tokenizers_are_named(finished_run, tmp_path):
         one_error(result, *names)
     assert sorted(os.listdir(tmp_path)) == sorted(["cut.pt", "ok", *broken])       # nothing written
 
+    # train.py: --init without tokenizer files; --resume from a model that is not a training checkpoint
+    ckpt = torch.load(os.path.join(finished_run, "ckpt_last.pt"), weights_only=True)
+    model_only = {k: ckpt[k] for k in ("format", "config", "model")}
+    torch.save({**model_only, "tokenizer": {"files": {}}}, tmp_path / "no_tok.pt")
+    (tmp_path / "run").mkdir()
+    torch.save({**model_only, "tokenizer": ckpt["tokenizer"]}, tmp_path / "run" / "ckpt_last.pt")
+    results = run_cli("train.py", [["--init", tmp_path / "no_tok.pt", "--out", tmp_path / "a"],
+                                   ["--resume", "--out", tmp_path / "run"]])
+    one_error(results[0], "no_tok.pt", "no tokenizer files")
+    one_error(results[1], "ckpt_last.pt", "not a training checkpoint")
+
 
 # -----------------------------------------------------------------------------
 # data is what the file says
