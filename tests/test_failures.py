@@ -150,19 +150,25 @@ def test_convert_and_export_outputs(finished_run, tmp_path):
     assert results[3][0] == 0 and torch.load(taken, weights_only=True)["format"] == "attnreg-v1"
 
 
-def test_failed_save_removes_its_temp_file(finished_run, tmp_path):
-    """A write that fails (here a file-size limit, as a full disk would) is one line, and neither the
-    half-written temp file nor a partial output stays behind."""
-    def small_files():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # a failed write, not a killed process
+def small_files():
+    """In the child process: files stop growing at 20 kB, as on a full disk (the write fails, no SIGXFSZ kill)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_failed_save_removes_its_temp_file(finished_run, listops_dir, tmp_path):
+    """A checkpoint write that fails (a full disk) is one line naming the file, and neither the half-written
+    temp file nor a partial output stays behind: model.py export, and train.py's ckpt_last.pt."""
     out = tmp_path / "small.pt"
-    p = subprocess.run([sys.executable, "model.py", "export", os.path.join(finished_run, "ckpt_last.pt"), str(out)],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and lines and lines[-1].startswith("error: ") and "Traceback" not in p.stderr, p.stderr
-    assert str(out) in lines[-1] and "could not write" in lines[-1]
-    assert os.listdir(tmp_path) == []
+    run = tmp_path / "run"
+    for argv, culprit in ((["model.py", "export", os.path.join(finished_run, "ckpt_last.pt"), out], out),
+                          (["train.py", *listops_args(listops_dir, run)], run / "ckpt_last.pt")):
+        p = subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300, preexec_fn=small_files)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+        assert lines[0].startswith(f"error: {culprit}: could not write the checkpoint"), lines
+    assert sorted(os.listdir(tmp_path)) == ["run"] and "ckpt_last.pt" not in " ".join(os.listdir(run))
 
 
 def test_resume_refuses_another_data_stream(finished_run, listops_dir, tmp_path):
