@@ -337,6 +337,12 @@ def check_flags(args, cfg, task):
              "is one block (sparse attention is then dense)")
     if cfg.attn_dropout != "attendout" and any(f in args.given for f in GNET_FLAGS):
         warn("--gnet-* flags have no effect without --attn-dropout attendout")
+    if "schedule" in args.given and cfg.attn_dropout != "scheduled":
+        warn("--schedule has no effect without --attn-dropout scheduled")
+    columns = [f for f in ("text_col", "text_pair_col", "label_col") if f in args.given]
+    if columns and args.task != "tsv":
+        warn(f"--{', --'.join(f.replace('_', '-') for f in columns)}: only --task tsv reads columns by flag; "
+             f"--task {args.task} has its own")
     model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
     if args.resume and model_flags:
         warn(f"--resume continues the run's own model: ignoring --{', --'.join(f.replace('_', '-') for f in model_flags)}")

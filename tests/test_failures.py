@@ -103,6 +103,13 @@ def test_values_that_mean_nothing_fail_before_anything_is_written(listops_dir, t
     assert not out.exists()
 
 
+def test_flags_without_effect_are_a_warning(listops_dir, tmp_path):
+    cases = [(["--schedule", "linear:0.1:0.2"], "--schedule has no effect"), (["--label-col", "2"], "--label-col: only --task tsv")]
+    results = run_cli("train.py", [listops_args(listops_dir, tmp_path / str(i)) + flags for i, (flags, _) in enumerate(cases)])
+    for (_, what), (code, lines) in zip(cases, results):
+        assert code == 0 and len(lines) == 1 and lines[0].startswith("warning: ") and what in lines[0], lines
+
+
 def test_other_entry_points_check_their_flags(tmp_path):
     one_error(run_cli("experiments.py", [["listops", "--threads", "0"]])[0], "--threads")
     for result, name in zip(run_cli("bench.py", [["--rounds", "0"], ["--only", "nosuch"],
