@@ -2,8 +2,9 @@
 attendout.py: attention-dropout methods for attnreg (methods.md §3).
 
 The idea (AttendOut, Wu et al. 2021): instead of dropping attention probabilities with a fixed rate, a
-small per-layer G-Net looks at the layer input and predicts a drop probability for every (head, query, key);
-it is trained adversarially (gradient reversal) to *hurt* the task under a mean drop-rate budget.
+small per-layer G-Net looks at the layer input and predicts a drop probability for every (head, query, key).
+How it is trained is our reconstruction (methods.md §3.1): adversarially (gradient reversal) under a mean
+drop-rate budget, the mask applied in one of four forms (--gnet-mask).
 
 Four methods, chosen by `--attn-dropout` (config.attn_dropout) and built by `make_attn_dropout(config, l)`:
   standard   fixed-rate Bernoulli dropout on the attention probabilities (rate attn_dropout_p)
@@ -12,14 +13,17 @@ Four methods, chosen by `--attn-dropout` (config.attn_dropout) and built by `mak
   attendout  the G-Net (methods.md §3.1, reconstructed) applied through the kernel hook drop_fn(A, valid, pair_scores)
 
 Where the G-Net mask is: `AttendOut.hook` (below) returns drop_fn; drop_fn computes the drop logits Z and
-calls `RelaxedDrop`, which samples the keep mask k and returns A * k / (1 - pi). The kernels call drop_fn on
-the attention probabilities right after the softmax (model.dense_attention, sparse._attend).
+calls `apply_keep_mask`, which samples the keep mask k and applies it by the --gnet-mask form: by default
+(logit) A * k renormalised per row, the softmax over the kept keys. The kernels call drop_fn on the
+attention probabilities right after the softmax (model.dense_attention, sparse._attend).
 
-The mean drop rate is a constraint, not a penalty: after every optimizer step the trainer calls
-`hold_budget(model)`, which shifts every layer's G-Net bias by one common amount so that the mean drop
-probability over layers, heads and real (query, key) pairs is back at the budget rho (methods.md §3.1).
-`drop_rates(model)` gives the per-layer rates of the last training forward (DropRateLogger writes them);
-`export_without_gnet(state_dict)` removes the G-Net before exporting a fine-tuned model.
+The mean drop rate is a constraint, not a penalty: in every training forward the hook shifts each layer's
+logits to its target rate, and after every optimizer step the trainer calls `hold_budget(model)`, which sets
+the targets from one common shift of all layers so that the mean drop probability over layers, heads and
+real (query, key) pairs is the budget rho (methods.md §3.1; --gnet-budget-scope layer: every layer at rho).
+`drop_rates(model)` and `drop_tails(model)` give the per-layer rates, largest pi and largest row sum of the
+last training forward (DropRateLogger writes them); `export_without_gnet(state_dict)` removes the G-Net
+before exporting a fine-tuned model.
 
 Run the tests: python -m pytest tests/test_attendout.py -q
 """
@@ -187,7 +191,7 @@ def make_scheduled(schedule, num_layers, layer_idx):
 
 
 # -----------------------------------------------------------------------------
-# AttendOut: the G-Net (methods.md §3.1, reconstructed: our reading of the paper digest)
+# AttendOut: the G-Net (methods.md §3.1, reconstructed from a short summary of the paper)
 
 class GNet(nn.Module):
     """Per-layer drop-logit generator: Z = (X W_q)(X W_k)^T / sqrt(d_g) + beta, per head.
@@ -269,7 +273,7 @@ def renormalized_drop(A, Z, tau, constant_sum):
 
     A row whose keys are all dropped (or a padding row, all A = 0) gives A' = 0: its sum is replaced by 1, so
     no gradient is divided by 0."""
-    kept = A.float() * keep_mask(Z, tau)                                         # A k, [.., Q, K]
+    kept = A * keep_mask(Z, tau)                     # A k, [.., Q, K], at least float32 (k is; float64 stays)
     mass = kept.sum(-1, keepdim=True)                                            # sum_j A_ij k_ij, [.., Q, 1]
     mass = torch.where(mass.detach() > 0, mass, torch.ones_like(mass))
     if constant_sum:

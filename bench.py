@@ -48,7 +48,7 @@ import torch
 
 import sar
 from attendout import hold_budget
-from infra import ArgumentParser, fail, one_line_errors
+from cli import ArgumentParser, fail, one_line_errors
 from model import Config, Model, build_model, convert_hf_state, load_pretrained
 
 SECTIONS = ("dense", "bigbird", "scaling", "hst", "attendout", "sar", "throughput")

@@ -2,7 +2,8 @@
 
 Everything that turns files into batches of tensors, in reading order:
   1. datasets: what an example is (Example, TaskData), the readers for the nine GLUE tasks, any labelled
-     TSV/CSV/JSONL, LRA ListOps and plain text for masked LM (the other LRA tasks: lra.py; extractive QA: qa.py);
+     TSV/CSV/JSONL, LRA ListOps and plain text for masked LM (the other LRA tasks: lra.py; extractive QA: qa.py;
+     the table of every task, with its loss and evaluation: tasks.py, which imports this module, never the reverse);
   2. batching: deterministic length-bucketed batches, dynamic padding (collate), BERT-style MLM masking;
   3. metrics: accuracy, F1, Matthews correlation, Pearson, Spearman (numpy, by hand);
   4. the LRA ListOps generator (the Long Range Arena recipe, methods.md §4);
@@ -18,7 +19,6 @@ checkpoints' HF tokenizers and the LRA readers follow LRA's input pipeline.
 Run:
   python data.py listops data/listops --train 96000 --val 2000 --test 2000 --min-len 500 --max-len 2000 --seed 0
   python data.py listops data/listops_small --train 2000 --val 200 --test 200 --min-len 20 --max-len 100
-  python data.py lra-text DIR        (also lra-retrieval, lra-image, lra-pathfinder, squad: check a data folder)
   python data.py tokenize PATH_TO_HF_FOLDER_OR_PT "first sentence" ["second sentence"]
 Library use: load_tokenizer, load_task, make_batches, mask_tokens, compute_metrics.
 """
@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 # the tokenizers, re-exported: data.X keeps working for every name below (vocab.py)
+from cli import ArgumentParser, one_line_errors
 from vocab import (HF_TOKENIZER_FILES, KIND_FILE, SPECIAL_TOKENS, SPM_FILE, ByteTokenizer, DataError,  # noqa: F401
                    HFTokenizer, ListOpsTokenizer, SentencePieceTokenizer, build_bert_wordpiece, build_roberta_bpe,
                    files_to_tensors, load_tokenizer, read_tokenizer_folder, tensors_to_files, tokenizer_from_files,
@@ -119,25 +120,8 @@ TASKS = {
                  label="label", labels=["0", "1"], metric="acc"),
 }
 # QQP: transformers' GLUE processor skips QQP rows with missing columns; we do the same (and count them).
-LRA_TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")   # readers in lra.py
-OTHER_TASKS = {"tsv": "acc", "listops": "acc", **{t: "acc" for t in LRA_TASKS}, "squad": "f1", "mlm": "loss"}
-VALID_TASKS = list(TASKS) + list(OTHER_TASKS)
-
-
-def fixed_tokenizer(task):
-    """The tokenizer a task's inputs define (ListOps symbols, LRA bytes / pixels), or None (text: trained or the
-    checkpoint's own)."""
-    if task == "listops":
-        return ListOpsTokenizer()
-    if task in LRA_TASKS:
-        return ByteTokenizer()
-    return None
-
-
-def default_max_len(task):
-    """--max-len when not given: LRA's input lengths for its tasks, 512 otherwise."""
-    import lra
-    return lra.DEFAULT_MAX_LEN.get(task, 512)
+LRA_TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")   # readers in lra.py, scored by accuracy
+OWN_TASKS = list(TASKS) + ["tsv", "listops", "mlm"]                           # the tasks load_task reads
 
 
 def read_text(path, encoding="utf-8-sig"):
@@ -442,7 +426,7 @@ def _mlm_paths(data_dir, train_file=None, dev_file=None):
     return train_paths, dev_paths
 
 
-def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_col=None, train_file=None):
+def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_col=None, train_file=None, dev_file=None):
     """The raw training texts of a task (both sides of pairs), to train a from-scratch SentencePiece model."""
     name = task.lower().replace("-", "")
     if name in TASKS:
@@ -450,9 +434,6 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
     elif name == "tsv":
         records = read_generic(_train_path(name, data_dir, train_file), text_col=text_col, label_col=label_col,
                                text_pair_col=text_pair_col)
-    elif task == "squad":
-        import qa
-        return qa.training_texts(data_dir, train_file)
     elif name == "mlm":
         texts = []
         for path in _mlm_paths(data_dir, train_file)[0]:          # the files load_task trains on
@@ -465,14 +446,8 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
 
 def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_col=None, label_col=None,
               train_file=None, dev_file=None, header="auto"):
-    """TaskData for a GLUE task, "tsv" (any labelled file), "listops", "mlm" (methods.md §4), an LRA task (lra.py) or
-    "squad" (extractive QA, qa.py)."""
-    if task in LRA_TASKS:
-        import lra                                  # imported here: lra.py builds on this module
-        return lra.load(task, data_dir, tokenizer, max_len)
-    if task == "squad":
-        import qa
-        return qa.load(data_dir, tokenizer, max_len, train_file=train_file, dev_file=dev_file)
+    """TaskData for a GLUE task, "tsv" (any labelled file), "listops" or "mlm" (methods.md §4). The other tasks'
+    readers are lra.py's and qa.py's; tasks.load_task reads any task."""
     name = task.lower().replace("-", "")
     stats = {"truncated": 0}
     if name in TASKS:
@@ -516,7 +491,7 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
             raise DataError(f"{train_paths[0]}:1: empty file")
         dev = {"dev": read_mlm(dev_paths, tokenizer, max_len, stats)} if dev_paths else {}
         return TaskData(train, dev, 0, False, "loss", [], stats["truncated"])
-    raise DataError(f"unknown task {task!r}; valid: {', '.join(VALID_TASKS)}")
+    raise DataError(f"unknown task {task!r} for data.load_task; valid: {', '.join(OWN_TASKS)} (tasks.py: every task)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -679,7 +654,7 @@ def compute_metrics(task_name, preds, labels):
         return {"f1": f1_binary(preds, labels), "acc": accuracy(preds, labels)}
     if name in TASKS or name in ("tsv", "listops") or task_name in LRA_TASKS:
         return {"acc": accuracy(preds, labels)}
-    raise DataError(f"no metrics for task {task_name!r}; valid: {', '.join(VALID_TASKS[:-1])}")
+    raise DataError(f"no metrics for task {task_name!r}; valid: {', '.join(OWN_TASKS[:-1] + list(LRA_TASKS))}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -796,23 +771,7 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
 # 5. CLI
 # ----------------------------------------------------------------------------------------------------------
 
-def describe_task(task, data_dir, max_len=None, tokenizer_path=None):
-    """({split: {examples, mean_len, max_len, labels}}, the skipped rows' "FILE:LINE"s) of a task folder: checks
-    that its files read cleanly. Lengths in tokens ([cls] included; a pair: its longer document)."""
-    tok = load_tokenizer(tokenizer_path) if tokenizer_path else fixed_tokenizer(task)
-    data = load_task(task, data_dir, tok, max_len=max_len or default_max_len(task))
-    out = {}
-    for split, examples in [("train", data.train), *data.dev.items()]:
-        lengths = [max(len(e.ids), len(e.ids2)) if isinstance(e, PairExample) else len(e.ids) for e in examples]
-        out[split] = {"examples": len(examples), "mean_len": round(float(np.mean(lengths)), 1),
-                      "max_len": max(lengths)}
-        if data.head != "span":
-            out[split]["labels"] = np.bincount([e.label for e in examples], minlength=data.num_labels).tolist()
-    return {"task": task, "truncated": data.n_truncated, "skipped": data.n_skipped, **out}, data.skipped
-
-
 def main(argv=None):
-    from infra import ArgumentParser, one_line_errors, warn     # infra imports this module: imported here
     parser = ArgumentParser(description="attnreg data tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("listops", help="generate LRA ListOps basic_{train,val,test}.tsv")
@@ -825,12 +784,6 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--max-args", type=int, default=10)
-    for task in LRA_TASKS + ("squad",):
-        c = sub.add_parser(task, help=f"read a {task} data folder (docs/tasks.md) and print its statistics")
-        c.add_argument("data_dir")
-        c.add_argument("--max-len", type=int, default=None, help="tokens per example (default: the task's)")
-        if task == "squad":
-            c.add_argument("--tokenizer", required=True, help="an HF folder or .pt checkpoint whose tokenizer to use")
     t = sub.add_parser("tokenize", help="print the ids of a text (and pair) with a checkpoint's tokenizer")
     t.add_argument("path")
     t.add_argument("text")
@@ -842,19 +795,12 @@ def main(argv=None):
                 parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
         if args.train + args.val + args.test == 0:
             parser.error("--train, --val and --test are all 0: nothing to generate")
-    elif args.max_len is not None and args.max_len < 1:
-        parser.error(f"--max-len {args.max_len}: must be >= 1")
     with one_line_errors():
         if args.command == "listops":
             os.makedirs(args.out_dir, exist_ok=True)
             paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len,
                                   args.seed, args.max_depth, args.max_args, progress=True)
             print(" ".join(paths.values()))
-        elif args.command in LRA_TASKS or args.command == "squad":
-            stats, skipped = describe_task(args.command, args.data_dir, args.max_len, getattr(args, "tokenizer", None))
-            if skipped:
-                warn(skipped_warning(skipped))
-            print(json.dumps(stats))
         else:
             ids, type_ids = load_tokenizer(args.path).encode_plus(args.text, args.pair)
             print(json.dumps({"ids": ids, "type_ids": type_ids}))

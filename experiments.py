@@ -14,6 +14,11 @@ MiniLM-L6 converted with `python model.py convert`), 5 / 3 seeds, each method's 
 baseline row with a 95% confidence interval over seeds (t distribution):
   pretrained-attendout   none / standard / attendout / scheduled / layerdrop / attn_layerdrop on SST-2 and
                          MR, low-resource (a fixed subsample of 1,000 training examples) and full size.
+  attendout-ablation     which part of AttendOut moves the result (methods.md §3.4): standard, the default
+                         G-Net, frozen, each --gnet-mask form, cooperative, per-layer budget; low-resource
+                         SST-2 and MR, 5 seeds, each row's final per-layer rates and the mask's tail.
+  attendout-probe        what each mask form does to a pretrained encoder's attention rows (attention sinks)
+                         and to its [CLS] output, in one training-mode forward (docs/probe_attendout_*.md).
   pretrained-sparse      dense / sparse / hst / hst+sar / hst+rdrop, dev accuracy on the original topology and
                          under every shift s = 1 .. b-1 of the block boundaries (mean and worst case over s),
                          evaluated on each run's final weights (ckpt_last.pt, see eval_shifts).
@@ -21,6 +26,8 @@ baseline row with a 95% confidence interval over seeds (t distribution):
 How to run it:
     python experiments.py listops                      # -> docs/results_listops.md / .json
     python experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --threads 2
+    python experiments.py attendout-ablation --init ckpt/minilm.pt --data-root DATA --threads 1
+    python experiments.py attendout-probe --init ckpt/minilm.pt --data-root DATA --datasets sst2
     python experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA --threads 2
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
 """
@@ -40,7 +47,7 @@ import statistics
 import subprocess
 import time
 
-from infra import ArgumentParser, fail, one_line_errors
+from cli import ArgumentParser, fail, one_line_errors
 
 LISTOPS_DATA = ["--train", "5000", "--val", "500", "--test", "100", "--min-len", "10", "--max-len", "60",
                 "--max-depth", "3", "--max-args", "4", "--seed", "1"]
@@ -60,7 +67,7 @@ def run_train(args_list, out, threads, log_dir, dry_run=False):
     dry_run: the command is only printed)."""
     final = os.path.join(out, "final.json")
     if not os.path.exists(final):
-        cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite"]
+        cmd = [sys.executable, "train.py", *args_list, "--out", out, "--overwrite", "--threads", str(threads)]
         print("$ " + " ".join(cmd), flush=True)
         if dry_run:
             return None
@@ -220,7 +227,7 @@ def setting_flags(a, ds, setting):
 
 def eval_shifts(run_dir, shifts, threads):
     """Dev accuracy of a run's final weights (ckpt_last.pt) under each topology shift (0 = original), cached in
-    shifts.json: {"0": acc, "1": acc, ...}. Uses train.evaluate, the function train.py's --eval-shift calls."""
+    shifts.json: {"0": acc, "1": acc, ...}. Uses the task's evaluate (tasks.py), the function train.py's --eval-shift calls."""
     path = os.path.join(run_dir, "shifts.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -230,18 +237,17 @@ def eval_shifts(run_dir, shifts, threads):
     import argparse as _ap
     import torch
     import data
-    import train
+    import tasks
     from model import build_model, read_checkpoint
     torch.set_num_threads(threads)
     cfg, state, tok_files, ckpt = read_checkpoint(os.path.join(run_dir, "ckpt_last.pt"))
     args = _ap.Namespace(**ckpt["args"])
     tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
-    task = data.load_task(args.task, args.data, tok, max_len=args.max_len, text_col=args.text_col,
-                          text_pair_col=args.text_pair_col, label_col=args.label_col, train_file=args.train_file,
-                          dev_file=args.dev_file)
+    task = tasks.load_task(args.task, args.data, tok, max_len=args.max_len, **tasks.files_and_columns(args))
     model = build_model(cfg, state, run_dir)
     device = torch.device("cpu")
-    accs = {str(s): train.evaluate(model, task, args, device, tok, shift_by=s)["dev"]["acc"] for s in shifts}
+    evaluate = tasks.kind(args.task).evaluate
+    accs = {str(s): evaluate(model, task, args, device, tok, shift_by=s)["dev"]["acc"] for s in shifts}
     with open(path, "w") as f:
         json.dump(accs, f)
     return accs
@@ -334,6 +340,63 @@ def attendout_ablation(a):
              "| largest pi | largest row sum | time per run (s) |", "|---|---|---|---|---|---|---|---|", *rows]
     write_results(a, "attendout_ablation" + settings_suffix(a), table, pretrained_note(a), raw)
     plot_ablation_rates(a, raw)
+
+
+def attendout_probe(a):
+    """What each --gnet-mask form does to a pretrained encoder's attention (methods.md §3.1), on the first 32
+    dev sentences of the first --datasets set: per layer, how much of a row the largest key takes and that
+    key's value norm against the row's mean (attention sinks); then, per form, how far one training-mode
+    forward (attention dropout only, G-Net at its start: pi = p0 everywhere) moves the [CLS] output from the
+    eval output, mean over 10 draws."""
+    import torch
+    import data
+    from model import apply_overrides, build_model, read_checkpoint
+    torch.set_num_threads(a.threads)
+    cfg, state, tok_files, _ = read_checkpoint(a.init)
+    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
+    task = data.load_task("tsv", os.path.join(a.data_root, a.datasets[0]), tok, max_len=64, text_col=1, label_col=0)
+    batch = data.collate(task.dev["dev"][:32], tok.pad_id)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    quiet = apply_overrides(cfg, {"hidden_dropout_p": 0.0})
+    plain = build_model(quiet, state, a.init).eval()
+    qkv = []                                                    # each layer's fused q|k|v projection output
+    hooks = [layer.attn.qkv.register_forward_hook(lambda mod, inp, out: qkv.append(out)) for layer in plain.layers]
+    with torch.no_grad():
+        h_eval = plain.encode(ids, mask)[:, 0]                  # [B, d], the [CLS] output
+    for h in hooks:
+        h.remove()
+    keys = mask.bool()                                          # [B, L]
+    lines = ["| layer | mean largest weight in a row | rows with one key > 0.5 | value norm of that key / row mean |",
+             "|---|---|---|---|"]
+    H, d = cfg.num_heads, cfg.hidden_size
+    for l, out in enumerate(qkv):
+        B, L, _ = out.shape
+        q, k, v = (t.view(B, L, H, d // H).transpose(1, 2) for t in out.split(d, dim=-1))    # [B, H, L, d_h]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(d // H)
+        A = s.masked_fill(~keys[:, None, None, :], float("-inf")).softmax(-1)                  # [B, H, L, L]
+        top, arg = A.max(-1)                                                                    # [B, H, L]
+        vn = v.norm(dim=-1)                                                                     # [B, H, L]
+        row_mean = (vn * keys[:, None]).sum(-1, keepdim=True) / keys.sum(-1)[:, None, None]
+        real = keys[:, None, :].expand_as(top)
+        lines.append(f"| {l + 1} | {top[real].mean():.2f} | {(top[real] > 0.5).float().mean():.2f} "
+                     f"| {(vn.gather(-1, arg) / row_mean)[real].mean():.2f} |")
+    lines += ["", "| attention dropout | [CLS] output change against eval (relative L2, mean of 10 draws) |", "|---|---|"]
+    forms = {"standard": {"attn_dropout": "standard"},
+             **{f"attendout, {m}": {"attn_dropout": "attendout", "gnet_mask": m} for m in ("logit", "rowscale", "capped", "inverted")}}
+    for name, over in forms.items():
+        m = build_model(apply_overrides(quiet, over), state, a.init).train()
+        change = []
+        with torch.no_grad():
+            for seed in range(10):
+                torch.manual_seed(seed)
+                change.append(((m.encode(ids, mask)[:, 0] - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
+        lines.append(f"| {name} | {statistics.mean(change):.3f} |")
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. {a.init}, the first 32 dev sentences of "
+            f"{a.datasets[0]}, hidden dropout off, attention dropout rate {cfg.attn_dropout_p}.")
+    text = "\n".join(lines) + "\n\n" + note + "\n"
+    print(text)
+    with open(os.path.join(a.docs, f"probe_attendout_{a.datasets[0]}.md"), "w") as f:
+        f.write(text)
 
 
 def read_jsonl(path):
@@ -471,10 +534,11 @@ def write_results(a, name, table, note, raw):
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "attendout-ablation", "pretrained-sparse"])
+    ap.add_argument("experiment", choices=["listops", "pretrained-attendout", "attendout-ablation", "attendout-probe",
+                                           "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads; OMP_NUM_THREADS too)")
     ap.add_argument("--out", default=None, help="where the runs go (default out/experiments, out/pretrained-*)")
     ap.add_argument("--docs", default="docs", help="where the tables (results_*.md / .json) and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),
@@ -509,7 +573,7 @@ def main(argv=None):
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)
         {"listops": listops, "pretrained-attendout": pretrained_attendout, "attendout-ablation": attendout_ablation,
-         "pretrained-sparse": pretrained_sparse}[a.experiment](a)
+         "attendout-probe": attendout_probe, "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
 if __name__ == "__main__":

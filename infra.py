@@ -1,13 +1,11 @@
 """infra.py: the plumbing of train.py that a reader of the training loop need not read first.
 
-What it is: one-line errors and warnings (one_line_errors: the one place where what user input can raise
-becomes one `error:` line, for every entry point), torchrun / DDP setup, seeding and RNG capture (for exact
-resume), the run folder (its lock, refusing to overwrite, trimming logs on resume), atomic checkpoint writing,
-and the Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
+What it is: warnings (the one-line errors are cli.py's), torchrun / DDP setup, seeding and RNG capture (for
+exact resume), the run folder (its lock, refusing to overwrite, trimming logs on resume), atomic checkpoint
+writing, and the Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
 
 How to run it: it is not run on its own; `python train.py` uses it.
 """
-import argparse
 import fcntl
 import io
 import json
@@ -15,68 +13,25 @@ import os
 import random
 import signal
 import sys
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import data
+from cli import fail
 from model import checkpoint_dict, save_atomic
 
 
 # -----------------------------------------------------------------------------
 # Messages: one clear line, never a traceback.
 
-def fail(msg, code=2):
-    """One clear line, no traceback."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
 def warn(msg):
     if is_main():
         tqdm.write(f"warning: {msg}", file=sys.stderr)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes (unknown flag, a value of the wrong type) are one `error:` line too, exit 2."""
-
-    def error(self, message):
-        fail(f"{message} (see {self.prog} --help)")
-
-
-def user_error_line(e):
-    """The one line for an error that user input raises (a bad file, flag or checkpoint): the file, line, flag
-    or value at fault comes from the message when the raiser knew it (DataError, CheckpointError do)."""
-    if isinstance(e, UnicodeDecodeError):       # a reader that did not name its file (data.read_text does)
-        return f"not UTF-8 text: byte {e.object[e.start:e.start + 1].hex()} ({e.reason})"
-    if isinstance(e, OSError):                  # disk full, read-only, a folder where a file should be, ...
-        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
-        return f"{where}: {e.strerror or e}" if where else f"{e.strerror or e}"
-    if isinstance(e, KeyError):                 # a foreign config / checkpoint without a field we read
-        return f"missing field {e.args[0]!r} (a config or checkpoint from elsewhere?)"
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-# what user input can raise: ValueError covers DataError, CheckpointError, JSON and Unicode errors
-USER_ERRORS = (ValueError, OSError, KeyError, SafetensorError)
-
-
-@contextmanager
-def one_line_errors(interrupted="interrupted"):
-    """The one place user errors are caught: every entry point's main runs inside it. A user error ends in one
-    `error:` line, exit 2; Ctrl-C in one line, exit 130."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)    # the scripts exit quietly on Ctrl-C while importing
-    try:
-        yield
-    except KeyboardInterrupt:
-        fail(interrupted, code=130)
-    except USER_ERRORS as e:
-        fail(user_error_line(e))
 
 
 # -----------------------------------------------------------------------------
@@ -96,6 +51,11 @@ def resolve_device(name):
     if device.type not in ("cpu", "cuda"):
         fail(f"--device {name}: only cpu and cuda are supported")
     return device
+
+
+def autocast(device):
+    """Forward passes in bf16 autocast on CUDA, fp32 (no autocast) on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
 def setup_distributed(args):

@@ -29,18 +29,18 @@ The files each reader expects (--data DIR):
 Grayscale (lra-image) is tf.image.rgb_to_grayscale as LRA calls it: y = 0.2989 R + 0.5870 G + 0.1140 B on
 [0, 1] floats, converted back to uint8 as TF does (multiply by 255.5, truncate).
 
-How to run: python train.py --task lra-text --data aclImdb ...   (--max-len 4001: 4,000 bytes + [cls])   (docs/tasks.md: every task)
-            python data.py lra-image cifar-10-batches-bin      (reads a folder and prints its statistics)
+How to run: python train.py --task lra-text --data aclImdb ...   (--max-len 4001: 4,000 bytes + [cls]; docs/tasks.md: every task)
+            python tasks.py lra-image cifar-10-batches-bin     (reads a folder and prints its statistics)
 """
 import csv
 import os
 
 import numpy as np
 
-from data import DataError, Example, PairExample, TaskData, read_rows, read_text
+from data import LRA_TASKS, DataError, Example, PairExample, TaskData, read_rows, read_text
 from vocab import ByteTokenizer
 
-TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")
+TASKS = LRA_TASKS                   # lra-text, lra-retrieval, lra-image, lra-pathfinder
 # LRA's input lengths in tokens, our [cls] on top of LRA's inputs: 4,000 bytes (Text, each Retrieval document;
 # LRA cuts the bytes at 4,000 and adds its CLS in the model, or has none) + [cls], 32 x 32 pixels + [cls]
 LRA_BYTES = 4000
@@ -253,8 +253,9 @@ def load_pathfinder(data_dir, tok, max_len):
 
 # -----------------------------------------------------------------------------
 
-def load(task, data_dir, tok, max_len):
-    """TaskData of an LRA task (data.load_task calls this). Image and Pathfinder need the pixel vocabulary."""
+def load(task, data_dir, tok, *, max_len, **files):
+    """TaskData of an LRA task (its entry in tasks.TASKS). Image and Pathfinder need the pixel vocabulary.
+    files (train.py's --train-file, --dev-file, column flags) do not apply: LRA's files are fixed."""
     if task in ("lra-image", "lra-pathfinder") and not isinstance(tok, ByteTokenizer):
         raise DataError(f"{task} feeds pixel intensities: it needs the 256-value vocabulary of a model trained "
                         "from scratch on it (--init scratch), not a text checkpoint's tokenizer")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import data
 from attendout import attendout_modules, make_attn_dropout
+from cli import ArgumentParser, one_line_errors
 from sparse import block_sparse_attention, hst_attention, pattern_of
 
 
@@ -767,7 +768,6 @@ def check_output(path, force):
 
 
 def main(argv=None):
-    from infra import ArgumentParser, one_line_errors      # infra imports this module: imported here, not at the top
     ap = ArgumentParser(description="Convert HF checkpoints (roberta, xlm-roberta, bert) to attnreg .pt files")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="HF_DIR OUT.pt: config, weights and tokenizer files in one file")

@@ -28,7 +28,6 @@ import os
 import re
 import string
 from collections import Counter
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 import sar
 from data import DataError, Example, TaskData, longest_first, make_batches, read_text
+from infra import autocast
 
 DOC_STRIDE = 128          # tokens between the starts of two windows of one context (BERT's run_squad)
 MAX_QUERY_TOKENS = 64     # a longer question is cut
@@ -132,7 +132,7 @@ def _answer(a, context, where):
     return text, start
 
 
-def training_texts(data_dir, train_file=None):
+def training_texts(task, data_dir, *, train_file=None, **files):
     """Contexts and questions of the training file (a from-scratch SentencePiece model is trained on them)."""
     items = read_squad(train_file or _find(data_dir, "train"))
     contexts = list(dict.fromkeys(q["context"] for q in items))          # each paragraph once
@@ -203,8 +203,9 @@ def windows(item, tok, max_len, cache, stride=DOC_STRIDE):
         a += min(stride, budget)
 
 
-def load(data_dir, tok, max_len, train_file=None, dev_file=None):
-    """TaskData of SQuAD-format train / dev files: windows of every answered question (head "span")."""
+def load(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
+    """TaskData of SQuAD-format train / dev files: windows of every answered question (head "span").
+    columns (train.py's --text-col etc.) do not apply: the JSON format names its fields."""
     if tok is None or not hasattr(tok, "encode"):
         raise DataError("--task squad needs a text tokenizer")
     if not os.path.isdir(data_dir) and (train_file is None or dev_file is None):
@@ -234,6 +235,16 @@ def unshift(logits, shift_by):
     """Span logits of a shifted view (sar.shift: shift_by tokens inserted after the first) back on the original
     positions: drop the inserted ones. [B, L + s, 2] -> [B, L, 2]."""
     return torch.cat([logits[:, :1], logits[:, 1 + shift_by:]], dim=1) if shift_by else logits
+
+
+def loss(model, batch, args, task, tok):
+    """The training loss (tasks.TASKS["squad"]): the span loss, with SAR / R-Drop if asked (logged apart as ce and
+    consistency)."""
+    if args.sar > 0 or args.rdrop > 0:
+        total, ce, cons = sar_span_loss(model, batch, args.sar or args.rdrop, args.sar_shift if args.sar else 0)
+        return total, {"ce": ce.item(), "consistency": cons.item()}
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])   # [B, L, 2]
+    return span_loss(logits, batch["labels"], batch["attention_mask"]), {}
 
 
 def sar_span_loss(model, batch, alpha, shift_by):
@@ -266,24 +277,23 @@ def best_span(start, end, word_of):
 
 
 @torch.no_grad()
-def evaluate(raw, task, batch_size, device, shift_by=0):
+def evaluate(raw, task, args, device, tok, shift_by=0):
     """{split: {"em", "f1", "questions"}}: the best span of each question over its windows, scored against
     every gold answer (the best match counts), as SQuAD v1.1's evaluate script does. shift_by: evaluate with the
-    topology shifted (train.py --eval-shift)."""
+    topology shifted (train.py --eval-shift). args: train.py's (its --batch-size)."""
     raw.eval()
     out = {}
     for split, examples in task.dev.items():
         best, golds = {}, {}                         # qid -> (score, predicted text); qid -> gold texts
         examples = longest_first(examples)           # little padding per batch; answers are matched by qid
-        batches = make_batches(examples, batch_size, pad_id=raw.cfg.pad_id, seed=0, epoch=0, shuffle=False)
+        batches = make_batches(examples, args.batch_size, pad_id=raw.cfg.pad_id, seed=0, epoch=0, shuffle=False)
         i = 0
         for batch in batches:
-            amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
             ids, mask, types = (batch[k].to(device) for k in ("input_ids", "attention_mask", "token_type_ids"))
             pos = None
             if shift_by:
                 ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
-            with amp:
+            with autocast(device):
                 logits = unshift(raw(ids, mask, types, pos), shift_by).float().cpu().numpy()    # [B, L, 2]
             for z in logits:
                 ex = examples[i]

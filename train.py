@@ -38,17 +38,15 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-import qa
-import sar
+import tasks
 from attendout import GNET, DropRateLogger, hold_budget
-from infra import (DDP, ArgumentParser, StopFlag, all_reduce_sum, all_true, append_jsonl, check_out, check_replicas,
-                   clear_out, fail, gather_rng_states, is_main, lock_out, one_line_errors, public_args, resolve_device,
-                   rng_state, save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn,
-                   weights_finite)
+from cli import ArgumentParser, fail, one_line_errors
+from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, autocast, check_out, check_replicas,
+                   clear_out, gather_rng_states, is_main, lock_out, public_args, resolve_device, rng_state,
+                   save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn, weights_finite)
 from model import CheckpointError, Config, Model, apply_overrides, build_model, read_checkpoint
 
 # The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
@@ -58,6 +56,9 @@ DEMO = ["--task", "listops", "--init", "scratch", "--out", "out/demo", "--overwr
         "--attention", "hst", "--block-size", "8", "--sar", "1.0", "--attn-dropout", "attendout",
         "--epochs", "10", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "200"]
 DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60, max_depth=3, max_args=4, seed=0)
+# --threads 0 on the CPU: one thread for a model smaller than this (parameters), whose operations are too small to
+# split and which another job on the machine would slow down; every core this process may use for a larger one.
+SMALL_MODEL = 20e6
 
 
 # -----------------------------------------------------------------------------
@@ -66,7 +67,7 @@ DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60,
 def make_parser():
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = ap.add_argument_group("task and data")
-    g.add_argument("--task", default="listops", help=f"one of {', '.join(data.VALID_TASKS)}")
+    g.add_argument("--task", default="listops", help=f"one of {', '.join(tasks.TASKS)} (tasks.py)")
     g.add_argument("--data", default=None, help="task folder or file (listops: generated into data/listops-demo if omitted)")
     g.add_argument("--train-file", default=None, help="override the training file inside --data")
     g.add_argument("--dev-file", default=None, help="override the dev file inside --data")
@@ -108,6 +109,9 @@ def make_parser():
     g = ap.add_argument_group("device")
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--threads", type=int, default=0,
+                   help=f"CPU threads for torch (0: 1 for a model under {SMALL_MODEL / 1e6:g}M parameters, else every core "
+                        "this process may use). The count moves the last bits of the results: give it to reproduce a run")
     g.add_argument("--ffn-chunk", type=int, default=None,
                    help="feed-forward on this many positions at a time (same result; faster on long inputs on CPU)")
 
@@ -174,7 +178,7 @@ def parse_args(argv):
 AT_LEAST_1 = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn",
               "block_size", "gnet_dim", "max_positions")
 AT_LEAST_0 = ("max_steps", "eval_every", "save_every", "eval_shift", "warmup", "weight_decay", "clip", "lr", "sar",
-              "rdrop", "gnet_lr", "window", "num_global", "num_random", "ffn_chunk")
+              "rdrop", "gnet_lr", "window", "num_global", "num_random", "ffn_chunk", "threads")
 MIN_MAX_LEN = 8                 # room for a pair's special tokens and some text
 
 
@@ -194,8 +198,8 @@ def check_args(args):
         bad("gnet_tau", "the relaxed-Bernoulli temperature must be > 0")
     if args.max_len is not None and args.max_len < MIN_MAX_LEN:
         bad("max_len", f"must be at least {MIN_MAX_LEN} tokens (special tokens included)")
-    if args.task not in data.VALID_TASKS:
-        bad("task", f"unknown task; choose one of {', '.join(data.VALID_TASKS)}")
+    if args.task not in tasks.TASKS:
+        bad("task", f"unknown task; choose one of {', '.join(tasks.TASKS)}")
     resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
     if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
         bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
@@ -231,13 +235,12 @@ def load_tokenizer(args, data_dir, stored_files=None):
     or a SentencePiece model trained on the training texts (rank 0 trains it, the others read the cached file)."""
     if stored_files is not None:
         return data.tokenizer_from_files(data.tensors_to_files(stored_files))
-    fixed = data.fixed_tokenizer(args.task)     # ListOps symbols, LRA bytes / pixels
+    fixed = tasks.fixed_tokenizer(args.task)    # ListOps symbols, LRA bytes / pixels
     if fixed is not None:
         return fixed
     if dist.is_initialized() and not is_main():
         dist.barrier()
-    texts = data.training_texts(args.task, data_dir, text_col=args.text_col, text_pair_col=args.text_pair_col,
-                                label_col=args.label_col, train_file=args.train_file)
+    texts = tasks.training_texts(args.task, data_dir, **tasks.files_and_columns(args))
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
     if not os.access(folder, os.W_OK):      # read-only data: cache the tokenizer under data/spm-cache/ instead
         folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
@@ -261,6 +264,17 @@ def read_init(args):
         fail(f"--init {args.init}: no tokenizer files in it (an HF folder needs its tokenizer.json / vocab files; "
              "convert it again with python model.py convert)")
     return cfg, state, tok_files
+
+
+def choose_threads(args, model, device):
+    """--threads, or (0) a sensible count: 1 for a small model on the CPU (the demo: 21 s per 100 steps on one
+    thread against 69-79 s on two while other jobs shared the 2 cores), every core this process may use for a
+    larger one. On a GPU, torch's own default unless --threads is given. Returns the count in use."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(1 if model.num_params() < SMALL_MODEL else len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()
 
 
 def method_overrides(args):
@@ -287,7 +301,7 @@ def choose_max_len(args, model_cfg):
     """--max-len, kept within the model's position table (model_cfg None: from scratch, sized from --max-len)."""
     limit = None if model_cfg is None else model_cfg.max_len
     if args.max_len is None:
-        default = data.default_max_len(args.task)       # 512; LRA's lengths for its tasks
+        default = tasks.kind(args.task).max_len         # 512; LRA's lengths for its tasks
         args.max_len = default if limit is None else min(default, limit)
     elif limit is not None and args.max_len > limit:
         warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions extends "
@@ -404,99 +418,15 @@ def set_lr(optimizer, factor):
 
 
 # -----------------------------------------------------------------------------
-# 4. Losses and evaluation: what one training step minimises, and how a checkpoint is scored.
-
-def mlm_loss(model, batch, tok):
-    """Masked-LM: 15% of real tokens selected, 80/10/10 mask/random/keep (data.mask_tokens), CE on them."""
-    ids, labels = data.mask_tokens(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), mask_id=tok.mask_id,
-                                   vocab_size=tok.vocab_size, special_ids=special_ids(tok))
-    device = batch["input_ids"].device
-    logits = model(ids.to(device), batch["attention_mask"], batch["token_type_ids"], head="mlm")   # [B, L, V]
-    labels = labels.to(device).flatten()
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum")
-    return ce / (labels != -100).sum().clamp(min=1)          # a batch with no selected token gives 0, not NaN
-
-
-def special_ids(tok):
-    return [tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id]
-
-
-def compute_loss(model, raw, batch, args, task, tok):
-    """The training loss and its parts worth logging. model: what runs the forward (DDP / compiled), raw: the
-    Model itself (for attributes). AttendOut adds no term here: its budget is held after the optimizer step
-    (train_step, attendout.hold_budget)."""
-    parts = {}
-    if task.head == "pair":   # LRA retrieval: [B, 2, L] -> [2B, L], pair i = rows 2i, 2i + 1
-        batch = data.flatten_pairs(batch)
-    if task.num_labels == 0:
-        loss = mlm_loss(model, batch, tok)
-    elif task.head == "span":  # extractive QA: start / end cross-entropy (qa.py), with SAR / R-Drop if asked
-        if args.sar > 0 or args.rdrop > 0:
-            loss, ce, cons = qa.sar_span_loss(model, batch, args.sar or args.rdrop, args.sar_shift if args.sar else 0)
-            parts.update(ce=ce.item(), consistency=cons.item())
-        else:
-            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])   # [B, L, 2]
-            loss = qa.span_loss(logits, batch["labels"], batch["attention_mask"])
-    elif args.sar > 0:        # SAR (methods.md §2.3): both topologies, CE + alpha * symmetric KL
-        loss, ce, cons = sar.sar_loss(model, batch, args.sar, args.sar_shift, task.is_regression)
-        parts.update(ce=ce.item(), consistency=cons.item())
-    elif args.rdrop > 0:      # R-Drop: two unshifted views
-        loss, ce, cons = sar.rdrop_loss(model, batch, args.rdrop, task.is_regression)
-        parts.update(ce=ce.item(), consistency=cons.item())
-    else:
-        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = sar.task_loss(logits, batch["labels"], task.is_regression)
-    return loss, parts
-
-
-@torch.no_grad()
-def evaluate(raw, task, args, device, tok, shift_by=0):
-    """Dev metrics of every split (the model in eval mode; one pass, original topology unless shift_by)."""
-    if task.head == "span":   # extractive QA: best span per question, EM / F1 (qa.py)
-        return qa.evaluate(raw, task, args.batch_size, device, shift_by)
-    raw.eval()
-    out = {}
-    for split, examples in task.dev.items():
-        preds, labels, losses = [], [], []
-        # longest first (data.longest_first), each batch padded to its longest example only: the model pads to
-        # its block size itself (Model.pad_to_block)
-        for batch in data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            if task.head == "pair":
-                batch = data.flatten_pairs(batch)
-            with autocast(device):
-                if task.num_labels == 0:
-                    g = torch.Generator().manual_seed(len(losses))
-                    ids, lab = data.mask_tokens(batch["input_ids"].cpu(), batch["attention_mask"].cpu(),
-                                                mask_id=tok.mask_id, vocab_size=tok.vocab_size,
-                                                special_ids=special_ids(tok), generator=g)
-                    logits = raw.mlm_logits(ids.to(device), batch["attention_mask"])
-                    losses.append(F.cross_entropy(logits.flatten(0, 1).float(), lab.to(device).flatten(),
-                                                  ignore_index=-100).item())
-                    continue
-                ids, mask, pos, types = batch["input_ids"], batch["attention_mask"], None, batch["token_type_ids"]
-                if shift_by:
-                    ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
-                logits = raw(ids, mask, types, pos).float()
-            preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
-            labels.append(batch["labels"])
-        if task.num_labels == 0:
-            out[split] = {"loss": float(np.mean(losses)), "ppl": float(math.exp(min(np.mean(losses), 50)))}
-        else:
-            out[split] = data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy())
-    raw.train()
-    return out
-
+# 4. Losses and evaluation: each task's own, in its entry of tasks.TASKS (classification, LRA Retrieval's pairs and
+#    masked LM in tasks.py, extractive QA in qa.py); the loop calls r.kind.loss and r.kind.evaluate. Here: which
+#    dev score picks ckpt_best.pt.
 
 def main_metric(metrics, task):
     """The number that picks ckpt_best.pt: the task's metric on its first dev split (lower loss is better)."""
     split = next(iter(metrics))
     v = metrics[split][task.metric_name]
     return -v if task.metric_name == "loss" else v
-
-
-def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
 # -----------------------------------------------------------------------------
@@ -527,8 +457,9 @@ def run(args):
     # Reading guide. A run is three calls:
     #   setup(args)   what to train on and what to train: tokenizer and task data (section 2), the model from a
     #                 checkpoint or from scratch, the optimizer and the step count (section 3);
-    #   train(r)      the loop: train_step (forward, loss of section 4, backward, clip, AdamW, AttendOut's
-    #                 budget), then logging, evaluation (ckpt_best.pt) and ckpt_last.pt on their schedules;
+    #   train(r)      the loop: train_step (forward and the task's loss, r.kind.loss from tasks.py; backward,
+    #                 clip, AdamW, AttendOut's budget), then logging, evaluation (r.kind.evaluate; ckpt_best.pt)
+    #                 and ckpt_last.pt on their schedules;
     #   report(r)     final.json and the last line: the final and best dev score beside the majority class.
     r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
     train(r)                     # the loop; returns when the last step is done or a stop was asked for
@@ -543,7 +474,8 @@ class Run:
     """What one run holds. setup() fills it; the loop's functions read it and update `state`.
     `state` is the part that ckpt_last.pt saves (with the weights, AdamW and the RNGs): the step, the epoch and
     the position in it, the best dev score so far, the last dev metrics, skipped batches, wall time."""
-    args = rank = world = device = tok = task = raw = model = optimizer = stopped_by = None
+    args = rank = world = device = tok = kind = task = raw = model = optimizer = stopped_by = None   # kind: tasks.TASKS[--task]
+    threads = 0                  # CPU threads in use (--threads, choose_threads)
     total = warmup = per_epoch = 0
     state = None
     paths = None                 # log.jsonl, droprates.jsonl, ckpt_last.pt, ckpt_best.pt inside --out
@@ -561,15 +493,15 @@ def setup(args):
     init = read_init(args) if resumed is None and args.init != "scratch" else None
     seed_everything(args.seed)
 
-    # --- data: the tokenizer (the checkpoint's own, ListOps' or a SentencePiece model), then the task
+    # --- data: the task's entry in tasks.TASKS (reader, loss, evaluation), the tokenizer (the checkpoint's own,
+    #     ListOps' or a SentencePiece model), then the task's examples
+    r.kind = tasks.kind(args.task)
     data_dir = task_data_dir(args)
     stored_tok = resumed["tokenizer"] if resumed else (init[2] if init else None)
     r.tok = load_tokenizer(args, data_dir, stored_tok)
     model_cfg = resumed["config"] if resumed else (None if init is None else apply_overrides(init[0], method_overrides(args)))
     choose_max_len(args, model_cfg)
-    r.task = data.load_task(args.task, data_dir, r.tok, max_len=args.max_len, text_col=args.text_col,
-                            text_pair_col=args.text_pair_col, label_col=args.label_col,
-                            train_file=args.train_file, dev_file=args.dev_file)
+    r.task = tasks.load_task(args.task, data_dir, r.tok, max_len=args.max_len, **tasks.files_and_columns(args))
     check_data(args, r.task, data_dir)
 
     # --- the model: from the resumed checkpoint, --init (converted weights + flag overrides) or scratch
@@ -577,6 +509,7 @@ def setup(args):
              else make_model(args, r.tok, r.task, init))
     init = None                                   # free the --init state dict
     check_flags(args, r.raw.cfg, r.task)
+    r.threads = choose_threads(args, r.raw, r.device)
     r.raw.to(r.device)
     if r.task.num_labels > 0:
         r.raw.mlm.requires_grad_(False)           # heads that this task does not train stay out of the optimizer
@@ -610,13 +543,29 @@ def setup(args):
     if resumed:
         restore(r, resumed)
     if is_main():
-        t = r.task
-        print(f"task {args.task}: {len(t.train)} train examples, dev {', '.join(f'{k} {len(v)}' for k, v in t.dev.items())}; "
-              f"model {r.raw.num_params() / 1e6:.2f}M parameters, attention {r.raw.cfg.attention}, "
-              f"attn-dropout {r.raw.cfg.attn_dropout}; {r.total} steps on {r.device}"
-              + (f" x {r.world} processes" if r.world > 1 else "")
-              + (f"; resuming at step {r.state['step']}" if args.resume else ""), flush=True)
+        print(opening_line(r), flush=True)
     return r
+
+
+def opening_line(r):
+    """The run in one line: task and data sizes | model | method | steps, device, threads (and resume)."""
+    args, t, c = r.args, r.task, r.raw.cfg
+    dev = " + ".join(f"{len(v)} {k}" for k, v in t.dev.items()) or "no dev"
+    origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
+    dropout = {"attendout": "AttendOut attention dropout", "none": "no attention dropout",
+               "standard": f"attention dropout {c.attn_dropout_p:g}",
+               "scheduled": f"scheduled attention dropout ({c.schedule})"}[c.attn_dropout]
+    method = [f"{c.attention} attention", dropout]
+    if args.sar > 0:
+        method.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
+    elif args.rdrop > 0:
+        method.append(f"R-Drop alpha {args.rdrop:g}")
+    where = f"{r.total} steps on {r.device}" + (f" x {r.world} processes" if r.world > 1 else "")
+    if r.device.type == "cpu":
+        where += f", {r.threads} CPU thread{'s' if r.threads > 1 else ''} (--threads)"
+    return (f"task {args.task}: {len(t.train)} train / {dev} examples | model {r.raw.num_params() / 1e6:.2f}M "
+            f"parameters ({c.num_layers} layer{'s' if c.num_layers > 1 else ''}, hidden {c.hidden_size}, {origin}) | {', '.join(method)} | {where}"
+            + (f"; resuming at step {r.state['step']}" if args.resume else ""))
 
 
 # flags that change the data stream or the schedule: --resume refuses a new value (the others may change)
@@ -735,7 +684,7 @@ def train_step(r, batches, step, meter, bar):
         meter["seen"] += batch["input_ids"].size(0) * r.world
         sync = i == args.grad_accum - 1 or r.world == 1
         with (nullcontext() if sync else r.model.no_sync()), autocast(r.device):
-            loss, parts = compute_loss(r.model, r.raw, batch, args, r.task, r.tok)
+            loss, parts = r.kind.loss(r.model, batch, args, r.task, r.tok)    # the task's objective (tasks.py)
         finite = all_true(torch.isfinite(loss.detach()), r.device, r.world)
         if not finite:
             break
@@ -795,13 +744,14 @@ def log_step(r, step, numbers, meter, bar, use_bar):
 def console_parts(numbers, args):
     """The loss as the reader should see it: task loss, consistency term and drop rate apart, not only summed."""
     shown = []
-    if "ce" in numbers:          # SAR / R-Drop: loss = ce + alpha * consistency
+    if "ce" in numbers:          # SAR / R-Drop: loss = ce + alpha x consistency, written out as that sum
         alpha = args.sar if args.sar > 0 else args.rdrop
-        shown += [f"ce {numbers['ce']:.4f}", f"consistency {numbers['consistency']:.4f} (x{alpha:g})"]
+        shown.append(f"loss {numbers['loss']:.4f} = ce {numbers['ce']:.4f} + alpha {alpha:g} x "
+                     f"{'SAR' if args.sar > 0 else 'R-Drop'} consistency {numbers['consistency']:.4f}")
     else:
         shown.append(f"loss {numbers['loss']:.4f}")
     if "drop" in numbers:        # AttendOut: the mean drop rate the budget holds
-        shown.append(f"drop {numbers['drop']:.3f}")
+        shown.append(f"drop rate {numbers['drop']:.3f}")
     return shown
 
 
@@ -811,9 +761,9 @@ def evaluate_and_keep_best(r, step, bar):
     args, task, state = r.args, r.task, r.state
     if not task.dev:
         return
-    metrics = evaluate(r.raw, task, args, r.device, r.tok)
+    metrics = r.kind.evaluate(r.raw, task, args, r.device, r.tok)       # the task's metrics (tasks.py)
     if args.eval_shift:
-        shifted = evaluate(r.raw, task, args, r.device, r.tok, shift_by=args.eval_shift)
+        shifted = r.kind.evaluate(r.raw, task, args, r.device, r.tok, shift_by=args.eval_shift)
         for split, m in shifted.items():
             metrics[split].update({f"{k}_shifted": v for k, v in m.items()})
     append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
@@ -822,7 +772,7 @@ def evaluate_and_keep_best(r, step, bar):
     if (state["best"] is None or score > state["best"]) and weights_finite(r.raw):
         state["best"], state["best_step"] = score, step
         save_checkpoint(r.paths["ckpt_best.pt"], r.raw, r.tok, r.optimizer, state, args, [rng_state()])
-    bar.write(f"step {step}: dev {json.dumps(metrics)}")
+    bar.write(f"step {step}: " + "; ".join(f"{split} {tasks.show_metrics(args.task, m)}" for split, m in metrics.items()))
 
 
 def save_last(r, meter):
@@ -848,7 +798,7 @@ def stop_nonfinite(r, what):
 def majority_baseline(task, task_name):
     """The task's main metric for always predicting the most common training label, on the first dev split
     (so a CoLA run compares its MCC with the majority class's MCC, 0, not with its accuracy)."""
-    if task.is_regression or task.num_labels == 0 or task.head == "span" or not task.dev:
+    if task.is_regression or not task.label_names or not task.dev:     # regression, masked LM, QA spans: none
         return None
     counts = np.bincount([e.label for e in task.train], minlength=task.num_labels)
     labels = np.array([e.label for e in next(iter(task.dev.values()))])
@@ -868,13 +818,14 @@ def report(r):
         json.dump(final, f, indent=1)
     line = f"done in {state['wall']:.0f}s, {state['step']} steps"
     name = task.metric_name
+    show = lambda v: tasks.show_value(args.task, name, v)              # "34.8%", "0.5120" (mcc, loss)
     if metrics:
         split = next(iter(metrics))
-        line += f": dev {name} {metrics[split][name]:.4f} at the last step"
+        line += f": {split} {name} {show(metrics[split][name])} at the last step"
         if final["best_dev"] is not None:
-            line += f", best {final['best_dev']:.4f} at step {final['best_step']}"
+            line += f", best {show(final['best_dev'])} at step {final['best_step']}"
     if final["majority_baseline"] is not None:
-        line += f" (majority-class baseline: {name} {final['majority_baseline']:.4f})"
+        line += f" (majority-class baseline: {name} {show(final['majority_baseline'])})"
     print(line + f"; results in {r.paths['final.json']}")
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import data
+import tasks
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,15 +214,16 @@ def test_one_run_per_out_and_signals_exit_nonzero(listops_dir, tmp_path):
 
 
 def test_ctrl_c_while_importing_exits_130_without_a_traceback():
-    """Ctrl-C before torch has loaded (a SIGINT delivered when `import torch` starts)."""
+    """Ctrl-C before the libraries have loaded (a SIGINT delivered when the first of torch / safetensors starts
+    to import)."""
     hook = ("import os, runpy, signal, sys\n"
             "class CtrlC:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'torch': os.kill(os.getpid(), signal.SIGINT)\n"
+            "        if name in ('torch', 'safetensors'): os.kill(os.getpid(), signal.SIGINT)\n"
             "sys.meta_path.insert(0, CtrlC())\n"
             "sys.argv = [sys.argv[1], '--help']\n"
             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    for script in ("train.py", "model.py", "data.py", "experiments.py", "bench.py"):
+    for script in ("train.py", "model.py", "data.py", "tasks.py", "experiments.py", "bench.py"):
         p = subprocess.run([sys.executable, "-c", hook, script], cwd=ROOT, env=ENV, capture_output=True, text=True,
                            timeout=120)
         assert p.returncode == 130 and p.stderr.strip() == "", (script, p.stderr)
@@ -342,7 +344,7 @@ def test_squad_answers_are_checked_against_their_context(tmp_path):
     v2.mkdir()
     write_squad(v2 / "train.json", [q, {"id": "q2", "question": "why?", "answers": [], "is_impossible": True}])
     write_squad(v2 / "dev.json", [q])
-    results = run_cli("data.py", argvs + [["squad", v2, "--tokenizer", tok]])
+    results = run_cli("tasks.py", argvs + [["squad", v2, "--tokenizer", tok]])
     for (name, (_, what)), result in zip(cases.items(), results):
         one_error(result, os.path.join(name, "train.json"), what)
     line = [s.strip() for s in (v2 / "train.json").read_text().split("\n")].index('"id": "q2",') + 1   # q2's line
@@ -375,9 +377,9 @@ def test_lra_text_keeps_4000_bytes_at_the_default(tmp_path):
         for label in ("pos", "neg"):
             os.makedirs(tmp_path / split / label)
             (tmp_path / split / label / "0_1.txt").write_text("ab" * 2500)                  # 5,000 bytes
-    max_len = data.default_max_len("lra-text")
-    task = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=max_len)
+    max_len = tasks.kind("lra-text").max_len
+    task = tasks.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=max_len)
     ids = task.train[0].ids
     assert len(ids) == 4001 and ids[0] == data.ByteTokenizer().cls_id                    # [cls] on top
     assert data.ByteTokenizer().decode(ids) == ("ab" * 2500)[:4000]
-    assert data.default_max_len("lra-retrieval") == 4001
+    assert tasks.kind("lra-retrieval").max_len == 4001

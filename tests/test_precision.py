@@ -1,4 +1,4 @@
-"""Mixed precision on the CPU: one training step (forward, train.compute_loss, backward) under bf16 autocast,
+"""Mixed precision on the CPU: one training step (forward, the task's loss from tasks.py, backward) under bf16 autocast,
 for every combination train.py allows, against the same step in fp32.
 
 Why on the CPU: train.py runs bf16 autocast on CUDA, and no GPU has been lent to this project; dtype
@@ -17,15 +17,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train
+import data
+import tasks
+from helpers import train_args
 from model import Config, Model
 
 N, V = 32, 40                     # tokens per example, vocabulary
-TOK = SimpleNamespace(pad_id=0, cls_id=1, sep_id=2, mask_id=3, vocab_size=V)
+TOK = SimpleNamespace(pad_id=0, cls_id=1, sep_id=2, mask_id=3, vocab_size=V)   # what the losses read of a tokenizer
 ATTENTIONS = ("dense", "sparse", "hst")
 DROPOUTS = ("standard", "none", "attendout", "scheduled")
 # (consistency loss, task): SAR / R-Drop need labels, so masked-LM runs plain only (train.py fails otherwise)
 LOSSES = [("plain", "cls"), ("sar", "cls"), ("rdrop", "cls"), ("plain", "mlm")]
+LOSS_FLAGS = {"plain": [], "sar": ["--sar", "1.0"], "rdrop": ["--rdrop", "1.0"]}   # train.py's flags for each
 
 
 def tiny_model(attention, attn_dropout, task):
@@ -53,14 +56,20 @@ def tiny_batch(task):
     return batch
 
 
+def tiny_task(task):
+    """The data.TaskData the losses read (labels and regression; no examples needed)."""
+    return data.TaskData([], {}, 3 if task == "cls" else 0, False, "acc" if task == "cls" else "loss", [])
+
+
 def step(model, batch, loss, task, bf16):
-    """train.compute_loss's step, fp32 or under CPU bf16 autocast -> (loss, flat fp32 gradient)."""
-    args = SimpleNamespace(sar=1.0 if loss == "sar" else 0.0, sar_shift=1, rdrop=1.0 if loss == "rdrop" else 0.0)
-    task_ns = SimpleNamespace(num_labels=3 if task == "cls" else 0, is_regression=False, head="cls")
+    """The training step's loss (the task's entry in tasks.TASKS: listops for "cls", mlm), fp32 or under CPU bf16
+    autocast -> (loss, flat fp32 gradient)."""
+    args = train_args("--task", "listops" if task == "cls" else "mlm", *LOSS_FLAGS[loss])
+    task_data = tiny_task(task)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(123)                            # the same masks, blocks and noise in both precisions
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        value, _ = train.compute_loss(model, model, batch, args, task_ns, TOK)
+        value, _ = tasks.kind(args.task).loss(model, batch, args, task_data, TOK)
     value.backward()
     grads = [p.grad.float().flatten() for p in model.parameters() if p.grad is not None]
     return value.detach().float(), torch.cat(grads)

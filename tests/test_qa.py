@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import data
 import qa
+import tasks
 from model import Config, Model, SpanHead
 from test_train import run_main
 
@@ -219,7 +220,7 @@ def test_squad_trains_end_to_end(attention, tmp_path, capfd):
     if attention == "hst":
         assert "f1_shifted" in dev
         assert any("consistency" in json.loads(line) for line in open(out / "log.jsonl"))
-    task = data.load_task("squad", folder, data.load_tokenizer(str(out / "ckpt_last.pt")), max_len=int(max_len))
+    task = tasks.load_task("squad", folder, data.load_tokenizer(str(out / "ckpt_last.pt")), max_len=int(max_len))
     assert (len(task.dev["dev"]) > 8) == (attention == "dense")                # windows only where the text is long
 
 

@@ -7,6 +7,7 @@ Run: python -m pytest tests/test_train.py -q
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 import data
+import tasks
 import train
+from helpers import train_args
 from model import load_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,10 +75,10 @@ def read_log(out):
 
 @pytest.mark.parametrize("attention", ["dense", "sparse", "hst"])
 def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
-    """train.evaluate batches the dev set longest first (data.longest_first); its scores must equal those of a
+    """The classifier's evaluation (tasks.classification_evaluate, train.py's r.kind.evaluate) batches the dev set longest first (data.longest_first); its scores must equal those of a
     pass with batch size 1, where no example has padding beside it. A regression head: its Pearson and
     Spearman correlations move with any change of a score or any score paired with the wrong label."""
-    from argparse import Namespace
+    from types import SimpleNamespace
     from model import Config, Model
     torch.manual_seed(0)
     model = Model(Config(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48,
@@ -89,12 +92,37 @@ def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
     dev = [data.Example([0] + [rng.randrange(3, 40) for _ in range(rng.randint(2, 30))] + [2], None, rng.random())
            for _ in range(40)]
     task = data.TaskData([], {"dev": dev}, 1, True, "pearson", [])
-    tok = Namespace(pad_id=1)
+    tok = SimpleNamespace(pad_id=1)                  # all the evaluation reads of a tokenizer
     for shift in ([0, 1] if attention != "dense" else [0]):
-        one = train.evaluate(model, task, Namespace(task="stsb", batch_size=1), torch.device("cpu"), tok, shift)
-        batched = train.evaluate(model, task, Namespace(task="stsb", batch_size=16), torch.device("cpu"), tok, shift)
+        one = tasks.classification_evaluate(model, task, train_args("--task", "stsb", "--batch-size", "1"), torch.device("cpu"), tok, shift)
+        batched = tasks.classification_evaluate(model, task, train_args("--task", "stsb", "--batch-size", "16"), torch.device("cpu"), tok, shift)
         for k in ("pearson", "spearman"):
             assert batched["dev"][k] == pytest.approx(one["dev"][k], abs=1e-6), (shift, k)
+
+
+def test_console_shows_each_metric_in_its_unit():
+    """Fractions in percent (accuracy, F1), SQuAD's percent as it is, the others as numbers; --eval-shift's copy
+    ("acc_shifted") as its metric; the SAR step line names alpha and the consistency term."""
+    assert tasks.show_metrics("sst2", {"acc": 0.8345, "acc_shifted": 0.8}) == "acc 83.5%, acc_shifted 80.0%"
+    assert tasks.show_metrics("mrpc", {"f1": 0.9, "acc": 0.85}) == "f1 90.0%, acc 85.0%"
+    assert tasks.show_metrics("cola", {"mcc": 0.512, "acc": 0.8}) == "mcc 0.5120, acc 80.0%"
+    assert tasks.show_metrics("squad", {"em": 71.25, "f1": 80.5, "questions": 8}) == "em 71.2%, f1 80.5%, questions 8"
+    assert tasks.show_metrics("mlm", {"loss": 2.34567, "ppl": 10.4}) == "loss 2.3457, ppl 10.4000"
+    numbers = {"loss": 2.5, "ce": 2.25, "consistency": 0.25, "drop": 0.1}
+    assert train.console_parts(numbers, train_args("--sar", "1.0")) == [
+        "loss 2.5000 = ce 2.2500 + alpha 1 x SAR consistency 0.2500", "drop rate 0.100"]
+    assert train.console_parts(numbers, train_args("--rdrop", "0.5"))[0].endswith("alpha 0.5 x R-Drop consistency 0.2500")
+
+
+def test_threads_default_to_one_for_a_small_model():
+    """--threads 0: one CPU thread below train.SMALL_MODEL parameters, every core this process may use above;
+    --threads N wins. (The conftest fixture restores the count afterwards.)"""
+    from types import SimpleNamespace
+    cpu = torch.device("cpu")
+    small, large = (SimpleNamespace(num_params=lambda n=n: n) for n in (train.SMALL_MODEL / 2, train.SMALL_MODEL * 2))
+    assert train.choose_threads(train_args(), small, cpu) == 1
+    assert train.choose_threads(train_args(), large, cpu) == len(os.sched_getaffinity(0))
+    assert train.choose_threads(train_args("--threads", "2"), small, cpu) == 2
 
 
 # -----------------------------------------------------------------------------
@@ -108,7 +136,16 @@ def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
         "--save-every", "40", "--log-every", "10", "--attn-dropout", "none", "--hidden-dropout-p", "0"], capfd)
     assert code == 0, err
     assert err == []
+    # the console: one opening line, evaluations as "dev acc 83.4%", the summary in the same units
+    lines = stdout.splitlines()
+    assert re.fullmatch(r"task tsv: 400 train / 100 dev examples \| model 0\.\d\dM parameters \(1 layer, hidden 32, "
+                        r"from scratch\) \| dense attention, no attention dropout \| 120 steps on cpu, 1 CPU thread "
+                        r"\(--threads\)", lines[0]), lines[0]
     log = read_log(out)
+    shown = [line for line in lines if re.fullmatch(r"step \d+: dev acc \d+\.\d%", line)]
+    assert shown == [f"step {r['step']}: dev acc {100 * r['dev']['dev']['acc']:.1f}%" for r in log if "dev" in r]
+    assert re.fullmatch(r"done in \d+s, 120 steps: dev acc \d+\.\d% at the last step, best \d+\.\d% at step \d+ "
+                        r"\(majority-class baseline: acc \d+\.\d%\); results in .*final\.json", lines[-1]), lines[-1]
     losses = [r["loss"] for r in log if "loss" in r]
     evals = [r for r in log if "dev" in r]
     assert [r["step"] for r in log if "loss" in r] == list(range(10, 121, 10))
