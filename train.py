@@ -93,7 +93,7 @@ def make_parser():
     g.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
     g.add_argument("--warmup", type=float, default=0.06, help="warmup: a fraction of the steps (< 1) or a step count")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decay on weight matrices and embeddings")
-    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping, backbone and G-Nets apart (0: off)")
     g.add_argument("--seed", type=int, default=0)
 
     g = ap.add_argument_group("evaluation, logging, checkpoints")
