@@ -27,6 +27,12 @@ How to run it:
     python bench.py --only hst --profile  # also print torch.profiler's top ops of our side
 No figure is ever asserted on: timings are noisy, the table is for people (tests/test_bench.py is a smoke).
 """
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import argparse
 import importlib.metadata
 import json
@@ -35,7 +41,6 @@ import platform
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -43,6 +48,7 @@ import torch
 
 import sar
 from attendout import hold_budget
+from cli import ArgumentParser, fail, one_line_errors
 from model import Config, Model, build_model, convert_hf_state, load_pretrained
 
 SECTIONS = ("dense", "bigbird", "scaling", "hst", "attendout", "sar", "throughput")
@@ -683,13 +689,13 @@ def parse_only(s):
         item = item.strip()
         name = SECTIONS[int(item) - 1] if item.isdigit() and 1 <= int(item) <= len(SECTIONS) else item
         if name not in SECTIONS:
-            raise SystemExit(f"unknown section {item!r}: choose from {', '.join(SECTIONS)} or 1-{len(SECTIONS)}")
+            fail(f"--only: unknown section {item!r}: choose from {', '.join(SECTIONS)} or 1-{len(SECTIONS)}")
         out.append(name)
     return out
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Time attnreg against HuggingFace references (see the docstring).")
+    p = ArgumentParser(description="Time attnreg against HuggingFace references (see the docstring).")
     p.add_argument("--quick", action="store_true", help="small sizes, few rounds: under a minute on 2 CPU cores")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--only", default="", help=f"comma list of sections: {','.join(SECTIONS)} (or 1-7)")
@@ -702,14 +708,13 @@ def main(argv=None):
     p.add_argument("--plot", default="", help="also draw the scaling section to this PNG (e.g. docs/scaling.png)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)   # internal: one scaling point
     args = p.parse_args(argv)
+    check_args(args)
     if args._child:
         spec = json.loads(args._child)
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
         print(json.dumps(child_alternate(spec) if "ns" in spec else child_measure(spec)))
         return
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device visible to torch")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.rounds = args.rounds or (2 if args.quick else 5)
@@ -727,18 +732,36 @@ def main(argv=None):
     fns = dict(dense=bench_dense, bigbird=bench_bigbird, scaling=bench_scaling, hst=bench_hst,
                attendout=bench_attendout, sar=bench_sar)
     results, t0 = {}, time.perf_counter()
-    for name in parse_only(args.only):
-        if name == "throughput":
-            results[name] = bench_throughput(S, args, results.get("scaling"))
-        else:
-            results[name] = fns[name](S, args)
-    figs = [f for r in results.values() for f in r.get("figures", [])]
-    print("## Summary\n")
-    print("\n".join(f"- {f['line']}" for f in figs))
-    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
-    with open(args.json, "w") as f:
-        json.dump(dict(meta=meta, sizes=S, results=results), f, indent=1, default=str)
-    print(f"wrote {args.json}")
+    with one_line_errors():
+        for name in parse_only(args.only):
+            if name == "throughput":
+                results[name] = bench_throughput(S, args, results.get("scaling"))
+            else:
+                results[name] = fns[name](S, args)
+        figs = [f for r in results.values() for f in r.get("figures", [])]
+        print("## Summary\n")
+        print("\n".join(f"- {f['line']}" for f in figs))
+        print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, sizes=S, results=results), f, indent=1, default=str)
+        print(f"wrote {args.json}")
+
+
+def check_args(args):
+    """Flags that mean nothing, and outputs that could not be written after a long run: refused up front."""
+    for name, low in (("rounds", 1), ("warmup", 0), ("threads", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < low:
+            fail(f"--{name} {getattr(args, name)}: must be >= {low}")
+    if not args.peak_tflops > 0:
+        fail(f"--peak-tflops {args.peak_tflops}: must be > 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: no CUDA device visible to torch")
+    parse_only(args.only)
+    for name in ("json", "plot"):
+        path = getattr(args, name)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and (os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            fail(f"--{name} {path}: cannot write there (a folder, or no writable folder {folder})")
 
 
 if __name__ == "__main__":

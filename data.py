@@ -23,20 +23,26 @@ Run:
 Library use: load_tokenizer, load_task, make_batches, mask_tokens, compute_metrics.
 """
 
-import argparse
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import csv
+import io
 import json
 import math
 import os
 import random
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 # the tokenizers, re-exported: data.X keeps working for every name below (vocab.py)
+from cli import ArgumentParser, one_line_errors
 from vocab import (HF_TOKENIZER_FILES, KIND_FILE, SPECIAL_TOKENS, SPM_FILE, ByteTokenizer, DataError,  # noqa: F401
                    HFTokenizer, ListOpsTokenizer, SentencePieceTokenizer, build_bert_wordpiece, build_roberta_bpe,
                    files_to_tensors, load_tokenizer, read_tokenizer_folder, tensors_to_files, tokenizer_from_files,
@@ -73,8 +79,21 @@ class TaskData:
     metric_name: str      # the main metric, a key of compute_metrics' dict
     label_names: list     # class index -> label string
     n_truncated: int = 0  # examples cut to max_len (the caller warns once)
-    n_skipped: int = 0    # malformed rows skipped (QQP only, see TASKS; qa.py: answers not found in the text)
+    skipped: list = field(default_factory=list)   # "FILE:LINE" of rows skipped on purpose (QQP's short rows,
+                                                  # SQuAD 2.0's unanswerable questions, Pathfinder's empty images)
     head: str = "cls"     # the model head it needs (model.Config.head): "cls", "pair" (lra-retrieval), "span" (squad)
+
+    @property
+    def n_skipped(self):
+        return len(self.skipped)
+
+
+def skipped_warning(skipped, shown=5):
+    """The one `warning:` line (without the prefix) for a task's skipped rows, or None: the count and the first few."""
+    if not skipped:
+        return None
+    more = f", ... ({len(skipped) - shown} more)" if len(skipped) > shown else ""
+    return f"{len(skipped)} rows skipped: {', '.join(skipped[:shown])}{more}"
 
 
 # The nine GLUE tasks, in the official GLUE folder layout (methods.md §4). Columns are header names, or 0-based
@@ -105,16 +124,28 @@ LRA_TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")   # rea
 OWN_TASKS = list(TASKS) + ["tsv", "listops", "mlm"]                           # the tasks load_task reads
 
 
-def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
-    """[(line_number, row)] of a TSV/CSV file (empty lines skipped; BOM stripped). QUOTE_NONE for GLUE."""
+def read_text(path, encoding="utf-8-sig"):
+    """A text file's contents (utf-8-sig: a BOM stripped). Every reader opens its files here, so a file that is
+    not UTF-8 is one DataError naming the file and line (not "can't decode byte 0xe9 in position 6130")."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
+                        "convert the file to UTF-8") from None
+
+
+def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
+    """[(line_number, row)] of a TSV/CSV file (empty lines skipped; BOM stripped). QUOTE_NONE for GLUE."""
     rows = []
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
-        for row in reader:
-            if row:
-                rows.append((reader.line_num, row))
+    reader = csv.reader(io.StringIO(read_text(path), newline=""), delimiter=delimiter, quoting=quoting)
+    for row in reader:
+        if row:
+            rows.append((reader.line_num, row))
     if not rows:
         raise DataError(f"{path}:1: empty file")
     return rows
@@ -174,57 +205,88 @@ def read_glue(task, path):
     ti = _column(header, spec["text"], path)
     pi = _column(header, spec["pair"], path) if spec["pair"] is not None else None
     li = _column(header, spec["label"], path)
-    records, skipped = [], 0
+    records, skipped = [], []
     for line, row in rows:
         if len(row) != ncols:
             if spec.get("skip_bad_rows"):
-                skipped += 1
+                skipped.append(f"{path}:{line}")
                 continue
             raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
         records.append((f"{path}:{line}", row[ti], row[pi] if pi is not None else None, row[li].strip()))
     return records, skipped
 
 
-def _as_column(col):
-    """CLI column spec: "3" -> 3, "sentence" -> "sentence", None stays None."""
+def _as_column(col, flag):
+    """CLI column spec: "3" -> 3, "sentence" -> "sentence", None stays None; "-1" is refused (no counting from the end)."""
     if isinstance(col, str) and col.strip().lstrip("-").isdigit():
-        return int(col)
+        col = int(col)
+    if isinstance(col, int) and col < 0:
+        raise DataError(f"{flag} {col}: a column is a header name or a 0-based index (>= 0)")
     return col
 
 
+def _label_kind(value):
+    """A JSONL label's JSON type: labels keep it (1, "1" and true are three different labels), so one file
+    holds one type. None for what cannot be a label (null, an object, a list)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "string" if isinstance(value, str) else None
+
+
+def read_jsonl(path, text_col, text_pair_col, label_col):
+    """[(where, text, pair, label)] of a JSONL file: each line an object (columns by key, or an index in key
+    order) or a list; texts are strings, labels keep their JSON type (one type in a file, never null)."""
+    lines = [(i, s) for i, s in enumerate(io.StringIO(read_text(path), newline=None), 1) if s.strip()]
+    if not lines:
+        raise DataError(f"{path}:1: empty file")
+    records, first = [], None                         # first: (line, label) that fixes the file's label type
+    for line, s in lines:
+        where = f"{path}:{line}"
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, (dict, list)):
+            raise DataError(f"{where}: expected a JSON object or list, got {type(obj).__name__} {s.strip()[:40]}")
+        values = list(obj.values()) if isinstance(obj, dict) else obj
+
+        def get(c, what):
+            try:
+                v = obj[c] if isinstance(c, str) else values[c]
+            except (KeyError, IndexError, TypeError):
+                raise DataError(f"{where}: no column {c!r} (the line has {len(values)})") from None
+            if what == "text" and not isinstance(v, str):
+                raise DataError(f"{where}: text column {c!r} is {json.dumps(v)[:40]}, not a string")
+            if what == "label" and _label_kind(v) is None:
+                raise DataError(f"{where}: label column {c!r} is {json.dumps(v)[:40]}, not a string, number or boolean")
+            return v
+        label = get(label_col, "label")
+        if first is None:
+            first = (line, label)
+        elif _label_kind(label) != _label_kind(first[1]):
+            raise DataError(f"{where}: label {json.dumps(label)} is a {_label_kind(label)}, but line {first[0]}'s "
+                            f"label {json.dumps(first[1])} is a {_label_kind(first[1])}; a file's labels are of one type")
+        pair = get(text_pair_col, "text") if text_pair_col is not None else None
+        records.append((where, get(text_col, "text"), pair, label))
+    return records
+
+
 def read_generic(path, *, text_col, label_col, text_pair_col=None, header="auto"):
-    """[(where, text, pair, label_string)] of a TSV / CSV / JSONL file.
+    """[(where, text, pair, label)] of a TSV / CSV / JSONL file (TSV / CSV labels are strings; JSONL labels keep
+    their JSON type, read_jsonl).
 
     Columns are names or 0-based indices. header: True, False or "auto" (= a header row exactly when some
     column is given by name). JSONL lines are objects (by key; an index counts in key order) or lists.
     """
-    text_col, label_col, text_pair_col = _as_column(text_col), _as_column(label_col), _as_column(text_pair_col)
+    text_col, label_col = _as_column(text_col, "--text-col"), _as_column(label_col, "--label-col")
+    text_pair_col = _as_column(text_pair_col, "--text-pair-col")
     cols = [c for c in (text_col, text_pair_col, label_col) if c is not None]
     ext = os.path.splitext(path)[1].lower()
     records = []
     if ext in (".jsonl", ".json"):
-        if not os.path.isfile(path):
-            raise DataError(f"{path}: no such file")
-        with open(path, encoding="utf-8-sig") as f:
-            lines = [(i, s) for i, s in enumerate(f, 1) if s.strip()]
-        if not lines:
-            raise DataError(f"{path}:1: empty file")
-        for line, s in lines:
-            where = f"{path}:{line}"
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
-            values = list(obj.values()) if isinstance(obj, dict) else obj
-
-            def get(c):
-                try:
-                    return obj[c] if isinstance(c, str) else values[c]
-                except (KeyError, IndexError, TypeError):
-                    raise DataError(f"{where}: no column {c!r}") from None
-            pair = get(text_pair_col) if text_pair_col is not None else None
-            records.append((where, str(get(text_col)), None if pair is None else str(pair), str(get(label_col))))
-        return records
+        return read_jsonl(path, text_col, text_pair_col, label_col)
     if ext == ".csv":
         rows = read_rows(path, delimiter=",", quoting=csv.QUOTE_MINIMAL)
     else:
@@ -238,16 +300,23 @@ def read_generic(path, *, text_col, label_col, text_pair_col=None, header="auto"
     idx = [_column(head, c, path) if c is not None else None for c in (text_col, text_pair_col, label_col)]
     ncols = len(head) if head is not None else len(rows[0][1])
     for line, row in rows:
-        if len(row) != ncols or max(i for i in idx if i is not None) >= len(row):
+        if len(row) != ncols:
             raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
+        for flag, i in zip(("--text-col", "--text-pair-col", "--label-col"), idx):
+            if i is not None and i >= len(row):
+                raise DataError(f"{path}:{line}: {flag} asks for column {i} (0-based), but the line has "
+                                f"{len(row)} column{'s' if len(row) != 1 else ''}")
         ti, pi, li = idx
         records.append((f"{path}:{line}", row[ti], row[pi] if pi is not None else None, row[li].strip()))
     return records
 
 
 def sorted_labels(labels):
-    """Label strings in class order: numerically if they are all integers ("2" < "10"), else sorted."""
+    """Labels in class order: label strings numerically if they are all integers ("2" < "10"), else sorted;
+    JSONL numbers and booleans by value."""
     labels = set(labels)
+    if not all(isinstance(label, str) for label in labels):
+        return sorted(labels)
     try:
         return sorted(labels, key=int)
     except ValueError:
@@ -264,6 +333,9 @@ def load_generic(path, tokenizer, *, text_col, label_col, text_pair_col=None, he
                            header=header)
     if label_names is None:
         label_names = sorted_labels(r[3] for r in records)
+    elif label_names and _label_kind(records[0][3]) != _label_kind(label_names[0]):   # one type per file (read_jsonl)
+        raise DataError(f"{records[0][0]}: label {json.dumps(records[0][3])} is a {_label_kind(records[0][3])}, "
+                        f"but the training file's labels are {_label_kind(label_names[0])}s")
     stats = {"truncated": 0}
     label_index = {name: i for i, name in enumerate(label_names)}
     examples = _labelled_examples(records, tokenizer, max_len, label_index, stats)
@@ -309,19 +381,18 @@ def read_mlm(paths, tokenizer, max_len, stats):
     examples = []
     budget = max(1, max_len - 2) if max_len is not None else None
     for path in paths:
-        with open(path, encoding="utf-8-sig") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                content = tokenizer.encode(line.rstrip("\n"))[1:-1]
-                if not content:
-                    continue
-                step = budget or len(content)
-                if len(content) > step:
-                    stats["truncated"] += 1  # here: lines split into several chunks
-                for s in range(0, len(content), step):
-                    ids = [tokenizer.cls_id] + content[s:s + step] + [tokenizer.sep_id]
-                    examples.append(Example(ids, None, 0))
+        for line in io.StringIO(read_text(path), newline=None):
+            if not line.strip():
+                continue
+            content = tokenizer.encode(line.rstrip("\n"))[1:-1]
+            if not content:
+                continue
+            step = budget or len(content)
+            if len(content) > step:
+                stats["truncated"] += 1  # here: lines split into several chunks
+            for s in range(0, len(content), step):
+                ids = [tokenizer.cls_id] + content[s:s + step] + [tokenizer.sep_id]
+                examples.append(Example(ids, None, 0))
     return examples
 
 
@@ -366,8 +437,7 @@ def training_texts(task, data_dir, *, text_col=None, text_pair_col=None, label_c
     elif name == "mlm":
         texts = []
         for path in _mlm_paths(data_dir, train_file)[0]:          # the files load_task trains on
-            with open(path, encoding="utf-8-sig") as f:
-                texts += [line.strip() for line in f if line.strip()]
+            texts += [line.strip() for line in io.StringIO(read_text(path), newline=None) if line.strip()]
         return texts
     else:
         raise DataError(f"task {task!r} has no text to train a tokenizer on")
@@ -385,16 +455,16 @@ def load_task(task, data_dir, tokenizer, *, max_len, text_col=None, text_pair_co
         label_index = {s: i for i, s in enumerate(spec["labels"])} if spec["labels"] else None
         train_path = _train_path(name, data_dir, train_file)
         dev_paths = {"dev": dev_file} if dev_file else {k: os.path.join(data_dir, v) for k, v in spec["dev"].items()}
-        records, n_skipped = read_glue(name, train_path)
+        records, skipped = read_glue(name, train_path)
         train = _labelled_examples(records, tokenizer, max_len, label_index, stats)
         dev = {}
         for split, path in dev_paths.items():
-            records, skipped = read_glue(name, path)
-            n_skipped += skipped
+            records, more = read_glue(name, path)
+            skipped += more
             dev[split] = _labelled_examples(records, tokenizer, max_len, label_index, stats)
         regression = spec["labels"] is None
         return TaskData(train, dev, 1 if regression else len(spec["labels"]), regression, spec["metric"],
-                        list(spec["labels"] or []), stats["truncated"], n_skipped)
+                        list(spec["labels"] or []), stats["truncated"], skipped)
     if name == "tsv":
         if text_col is None or label_col is None:
             raise DataError("task tsv needs --text-col and --label-col (names or 0-based indices)")
@@ -702,7 +772,7 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="attnreg data tools")
+    parser = ArgumentParser(description="attnreg data tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("listops", help="generate LRA ListOps basic_{train,val,test}.tsv")
     p.add_argument("out_dir")
@@ -719,17 +789,21 @@ def main(argv=None):
     t.add_argument("text")
     t.add_argument("pair", nargs="?")
     args = parser.parse_args(argv)
-    try:
+    if args.command == "listops":        # refused up front: nothing generated for minutes, then not written
+        for name in ("train", "val", "test", "min_len", "max_len"):
+            if getattr(args, name) < 0:
+                parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 0")
+        if args.train + args.val + args.test == 0:
+            parser.error("--train, --val and --test are all 0: nothing to generate")
+    with one_line_errors():
         if args.command == "listops":
+            os.makedirs(args.out_dir, exist_ok=True)
             paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len,
                                   args.seed, args.max_depth, args.max_args, progress=True)
             print(" ".join(paths.values()))
         else:
             ids, type_ids = load_tokenizer(args.path).encode_plus(args.text, args.pair)
             print(json.dumps({"ids": ids, "type_ids": type_ids}))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,12 @@ How to run it:
     python experiments.py listops-long --candidates --threads 1            # -> docs/results_listops_long_candidates.md
     python experiments.py listops-long --threads 1                         # -> docs/results_listops_long.md / .json
 """
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import argparse
 import hashlib
 import json
@@ -48,8 +54,9 @@ import random
 import os
 import statistics
 import subprocess
-import sys
 import time
+
+from cli import ArgumentParser, fail, one_line_errors
 
 LISTOPS_DATA = ["--train", "5000", "--val", "500", "--test", "100", "--min-len", "10", "--max-len", "60",
                 "--max-depth", "3", "--max-args", "4", "--seed", "1"]
@@ -78,7 +85,7 @@ def run_train(args_list, out, threads, log_dir, dry_run=False):
         with open(os.path.join(log_dir, os.path.basename(out) + ".log"), "w") as log:
             rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         if rc != 0:
-            sys.exit(f"error: run failed (exit {rc}); see {log.name}")
+            fail(f"run failed (exit {rc}); see {log.name}")
         print(f"  done in {time.time() - t:.0f}s", flush=True)
     with open(final) as f:
         return json.load(f)
@@ -322,7 +329,7 @@ def setting_flags(a, ds, setting):
     """(--data and --train-file flags, epochs) of one data set in one setting."""
     data_dir = os.path.join(a.data_root, ds)
     if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
-        sys.exit(f"error: --data-root {a.data_root}: no {ds}/train.tsv (label<TAB>sentence, with dev.tsv)")
+        fail(f"--data-root {a.data_root}: no {ds}/train.tsv (label<TAB>sentence, with dev.tsv)")
     n, epochs = PRE_SETTINGS[setting]
     flags = ["--data", data_dir]
     if n is not None:       # named by the source file's content too: another --data-root never reuses it
@@ -345,8 +352,6 @@ def pretrained_runs(a, variants, extra_common):
     """Run (or only print, --dry-run) the grid; returns {(ds, setting, variant): [final.json, ...]} in seed
     order, and the run folder of each. Seed-major: every row's seed 0, then every row's seed 1, ..., so a grid
     stopped early has whole rows at fewer seeds (rerun with --seeds 0 1 2 for their table)."""
-    if not os.path.isfile(a.init) and not os.path.isdir(a.init):
-        sys.exit(f"error: --init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
     finals, dirs = {}, {}
     for setting in a.settings:
         for ds in a.datasets:
@@ -545,8 +550,8 @@ def perturbed_accuracies(fs, dirs):
     for f, d in zip(fs, dirs):
         dev = f["dev"]["dev"]
         if "shift" not in dev:
-            sys.exit(f"error: {d}/final.json has no shifted scores (a run from before train.py's --eval-shift all): "
-                     "remove the folder to run it again")
+            fail(f"{d}/final.json has no shifted scores (a run from before train.py's --eval-shift all): remove "
+                 "the folder to run it again")
         add("acc", dev["acc"])
         add("acc_shift_mean", dev["shift"]["mean"]["acc"])
         add("acc_shift_worst", dev["shift"]["worst"]["acc"])
@@ -624,7 +629,7 @@ def write_results(a, name, table, note, raw):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=["listops", "listops-long", "pretrained-attendout", "attendout-ablation",
                                            "attendout-probe", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -660,9 +665,17 @@ def main(argv=None):
                  else os.path.join("out", "experiments"))
     if pre and a.init is None:
         ap.error(f"{a.experiment} needs --init PATH (a converted checkpoint)")
-    os.makedirs(a.out, exist_ok=True)
-    {"listops": listops, "listops-long": listops_long, "pretrained-attendout": pretrained_attendout, "attendout-ablation": attendout_ablation,
-     "attendout-probe": attendout_probe, "pretrained-sparse": pretrained_sparse}[a.experiment](a)
+    if pre and not os.path.exists(a.init):
+        fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+    if a.threads < 1:
+        fail(f"--threads {a.threads}: must be >= 1")
+    if not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds):
+        fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
+    with one_line_errors():
+        os.makedirs(a.out, exist_ok=True)
+        {"listops": listops, "listops-long": listops_long, "pretrained-attendout": pretrained_attendout,
+         "attendout-ablation": attendout_ablation, "attendout-probe": attendout_probe,
+         "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
 if __name__ == "__main__":

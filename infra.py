@@ -1,18 +1,19 @@
 """infra.py: the plumbing of train.py that a reader of the training loop need not read first.
 
-What it is: one-line errors and warnings, torchrun / DDP setup, seeding and RNG capture (for exact resume),
-the run folder (refusing to overwrite, trimming logs on resume), atomic checkpoint writing, and the
-Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
+What it is: warnings (the one-line errors are cli.py's), torchrun / DDP setup, seeding and RNG capture (for
+exact resume), the run folder (its lock, refusing to overwrite, trimming logs on resume), atomic checkpoint
+writing, and the Ctrl-C / SIGTERM flag. Nothing here knows about attention, AttendOut or SAR: train.py is where the ideas are.
 
 How to run it: it is not run on its own; `python train.py` uses it.
 """
+import fcntl
 import io
 import json
 import os
 import random
 import signal
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 
 import numpy as np
 import torch
@@ -21,17 +22,12 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import data
+from cli import fail
 from model import checkpoint_dict, save_atomic
 
 
 # -----------------------------------------------------------------------------
 # Messages: one clear line, never a traceback.
-
-def fail(msg, code=2):
-    """One clear line, no traceback."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
 
 def warn(msg):
     if is_main():
@@ -44,9 +40,17 @@ def warn(msg):
 def resolve_device(name):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        fail(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
         fail(f"--device {name}: CUDA is not available here")
-    return torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        fail(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        fail(f"--device {name}: only cpu and cuda are supported")
+    return device
 
 
 def autocast(device):
@@ -150,21 +154,57 @@ def gather_rng_states(world):
 # -----------------------------------------------------------------------------
 # The run folder and checkpoints.
 
-def prepare_out(args):
-    """--out holding another run is refused unless --resume or --overwrite."""
-    taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
-    if is_main() and os.path.isdir(args.out):       # a run killed while saving leaves a half-written temp file
-        for f in os.listdir(args.out):
-            if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
-                os.remove(os.path.join(args.out, f))
-    if args.resume:                                  # run() has read its ckpt_last.pt already
+RUN_FILES = ("log.jsonl", "droprates.jsonl", "final.json", "ckpt_last.pt", "ckpt_best.pt")
+LOCK_FILE = "run.lock"         # held (flock) while a run writes to --out; the kernel lets go if the run dies
+
+
+@contextmanager
+def lock_out(out):
+    """--out belongs to one run at a time: a second run into it (a --resume while the first still runs) is
+    refused in one line. Rank 0 holds the lock; other torchrun processes write nothing there."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
         return
-    if taken and not args.overwrite:
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out}: is a file, not a folder")
+    path = os.path.join(out, LOCK_FILE)
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        fail(f"--out {out}: cannot write there ({e.strerror})")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        fail(f"--out {out}: another run is writing to it ({path} is held); wait for it or choose another --out")
+    try:
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.remove(path)
+        os.close(fd)
+
+
+def check_out(args):
+    """--out holding another run is refused unless --resume or --overwrite (checked first; cleared by clear_out
+    only once the new run has read its data and built its model)."""
+    taken = any(os.path.exists(os.path.join(args.out, f)) for f in ("log.jsonl", "ckpt_last.pt", "final.json"))
+    if taken and not args.resume and not args.overwrite:
         fail(f"--out {args.out} holds another run (log.jsonl / checkpoints); pass --resume to continue it or "
              "--overwrite to replace it")
-    if is_main():
-        os.makedirs(args.out, exist_ok=True)
-        for f in ("log.jsonl", "droprates.jsonl", "final.json", "ckpt_last.pt", "ckpt_best.pt"):
+
+
+def clear_out(args):
+    """Just before the first step: drop a killed save's temp files, and (--overwrite) the old run's files."""
+    if not is_main():
+        return
+    os.makedirs(args.out, exist_ok=True)
+    for f in os.listdir(args.out):                     # a run killed while saving leaves a half-written temp file
+        if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+            os.remove(os.path.join(args.out, f))
+    if not args.resume:                                # run() has read its ckpt_last.pt already
+        for f in RUN_FILES:
             if os.path.exists(os.path.join(args.out, f)):
                 os.remove(os.path.join(args.out, f))
 
@@ -222,6 +262,7 @@ class StopFlag:
 
     def __init__(self, device, world):
         self.stop, self.device, self.world = False, device, world
+        self.signum = None              # the signal that asked for the stop (the exit code is 128 + it)
 
     def __enter__(self):
         self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -234,7 +275,7 @@ class StopFlag:
     def handle(self, signum, frame):
         if self.stop and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.stop = True
+        self.stop, self.signum = True, signum
 
     def requested(self):
         return not all_true(not self.stop, self.device, self.world)

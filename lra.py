@@ -2,8 +2,8 @@
 
 What it is: each reader takes the files of the public LRA release (or of the public dataset that LRA's input
 pipeline loads through tfds) and returns data.TaskData, tokenised as LRA tokenises (methods.md §4):
-  - lra-text        IMDB reviews, the UTF-8 bytes of each review (256 byte ids), cut at 4,000 tokens;
-  - lra-retrieval   AAN citation pairs, both documents at the byte level, each cut at 4,000 tokens; a dual
+  - lra-text        IMDB reviews, the UTF-8 bytes of each review (256 byte ids), cut at 4,000 bytes (+ [cls]);
+  - lra-retrieval   AAN citation pairs, both documents at the byte level, each cut at 4,000 bytes (+ [cls]); a dual
                     encoder (model.PairHead) encodes each document separately with the same encoder;
   - lra-image       CIFAR-10 as 1,024 grayscale pixel ids (256 intensities), row-major;
   - lra-pathfinder  32 x 32 Pathfinder images as 1,024 pixel ids, label 1 = the two dots are connected.
@@ -29,7 +29,7 @@ The files each reader expects (--data DIR):
 Grayscale (lra-image) is tf.image.rgb_to_grayscale as LRA calls it: y = 0.2989 R + 0.5870 G + 0.1140 B on
 [0, 1] floats, converted back to uint8 as TF does (multiply by 255.5, truncate).
 
-How to run: python train.py --task lra-text --data aclImdb --max-len 4000 ...   (docs/tasks.md: every task)
+How to run: python train.py --task lra-text --data aclImdb ...   (--max-len 4001: 4,000 bytes + [cls]; docs/tasks.md: every task)
             python tasks.py lra-image cifar-10-batches-bin     (reads a folder and prints its statistics)
 """
 import csv
@@ -37,12 +37,14 @@ import os
 
 import numpy as np
 
-from data import LRA_TASKS, DataError, Example, PairExample, TaskData, read_rows
+from data import LRA_TASKS, DataError, Example, PairExample, TaskData, read_rows, read_text
 from vocab import ByteTokenizer
 
 TASKS = LRA_TASKS                   # lra-text, lra-retrieval, lra-image, lra-pathfinder
-# LRA's input lengths, [cls] included: 4,000 bytes (Text, each Retrieval document), 32 x 32 pixels + [cls]
-DEFAULT_MAX_LEN = {"lra-text": 4000, "lra-retrieval": 4000, "lra-image": 1025, "lra-pathfinder": 1025}
+# LRA's input lengths in tokens, our [cls] on top of LRA's inputs: 4,000 bytes (Text, each Retrieval document;
+# LRA cuts the bytes at 4,000 and adds its CLS in the model, or has none) + [cls], 32 x 32 pixels + [cls]
+LRA_BYTES = 4000
+DEFAULT_MAX_LEN = {"lra-text": LRA_BYTES + 1, "lra-retrieval": LRA_BYTES + 1, "lra-image": 1025, "lra-pathfinder": 1025}
 
 CIFAR_RECORD = 1 + 3 * 32 * 32      # label byte + R, G, B planes
 CIFAR_TRAIN_KEPT = 45000            # LRA: tfds cifar10 train[:90%]; the rest is its validation split
@@ -77,11 +79,7 @@ def read_imdb(folder, tok, max_len, stats):
             if not name.endswith(".txt"):
                 continue
             path = os.path.join(d, name)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:1: not UTF-8 text (byte {e.start})") from None
+            text = read_text(path, encoding="utf-8")                   # the bytes as they are (LRA: tfds)
             if not text.strip():
                 raise DataError(f"{path}:1: empty text")
             examples.append(Example(_text_ids(tok, text, max_len, stats), None, label))
@@ -193,12 +191,13 @@ def _metadata_rows(path):
         except ValueError as e:
             raise DataError(f"{path}: unreadable .npy ({e})") from None
         return [(i + 1, [str(x) for x in np.atleast_1d(r)]) for i, r in enumerate(np.atleast_2d(arr))]
-    lines = raw.decode("utf-8").split("\n")
+    lines = read_text(path).split("\n")
     return [(i + 1, s.split()) for i, s in enumerate(lines) if s.strip()]
 
 
-def read_pathfinder(data_dir, size=32):
-    """[(pixels uint8 [size * size], label)] of every image listed in DIR/metadata/*.npy, in numeric file order."""
+def read_pathfinder(data_dir, size=32, skipped=None):
+    """[(pixels uint8 [size * size], label)] of every image listed in DIR/metadata/*.npy, in numeric file order.
+    skipped: a list that gets the "FILE:LINE" of every empty image (LRA skips them; the caller reports them)."""
     try:
         from PIL import Image                                              # pillow: requirements.txt
     except ImportError:
@@ -221,6 +220,8 @@ def read_pathfinder(data_dir, size=32):
             if not os.path.isfile(img_path):
                 raise DataError(f"{where}: image {img_path} does not exist")
             if os.path.getsize(img_path) == 0:
+                if skipped is not None:
+                    skipped.append(where)
                 continue                                                   # LRA skips empty images too
             try:
                 with Image.open(img_path) as im:
@@ -239,14 +240,15 @@ def read_pathfinder(data_dir, size=32):
 
 def load_pathfinder(data_dir, tok, max_len):
     stats = {"truncated": 0}
-    items = read_pathfinder(data_dir)
+    skipped = []
+    items = read_pathfinder(data_dir, skipped=skipped)
     n = len(items)
     a, b = n * 8 // 10, n * 9 // 10                                        # LRA: [:80%], [80%:90%], [90%:]
     make = lambda part: [Example(pixel_ids(tok, p, max_len, stats), None, y) for p, y in part]
     dev = {"dev": make(items[a:b])}
     if b < n:
         dev["test"] = make(items[b:])
-    return TaskData(make(items[:a]), dev, 2, False, "acc", ["0", "1"], stats["truncated"])
+    return TaskData(make(items[:a]), dev, 2, False, "acc", ["0", "1"], stats["truncated"], skipped)
 
 
 # -----------------------------------------------------------------------------

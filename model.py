@@ -10,15 +10,20 @@ sparse.py) and the *attention-dropout method* (standard, none, AttendOut, schedu
 
 How to run it:
     python model.py convert HF_DIR OUT.pt        # HF folder (config.json + weights + tokenizer) -> one file
+    (convert / export keep an existing OUT.pt unless --force)
     python model.py info OUT.pt                   # print the config and parameter count
     >>> from model import load_pretrained
     >>> model = load_pretrained("OUT.pt", attention="sparse", max_positions=4096)
 """
-import argparse
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 
 import data
 from attendout import attendout_modules, make_attn_dropout
+from cli import ArgumentParser, one_line_errors
 from sparse import block_sparse_attention, hst_attention, pattern_of
 
 
@@ -501,6 +507,11 @@ def config_from_hf(hf, path="config.json"):
         raise CheckpointError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported (only exact 'gelu')")
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise CheckpointError(f"{path}: position_embedding_type {hf['position_embedding_type']!r} is not supported")
+    need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings")
+    missing = [k for k in need if not isinstance(hf.get(k), int) or hf[k] < 1]
+    if missing:
+        raise CheckpointError(f"{path}: no positive integer {', '.join(missing)}")
     bert = mt == "bert"
     labels = len(hf["id2label"]) if "id2label" in hf and any("ForSequenceClassification" in a for a in hf.get("architectures") or []) else 0
     cd = hf.get("classifier_dropout")
@@ -538,17 +549,40 @@ def read_hf_weights(folder):
     st, st_index, binf = (os.path.join(folder, f) for f in
                           ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
     if os.path.exists(st) or os.path.exists(st_index):
-        from safetensors.torch import load_file
         if os.path.exists(st):
-            return load_file(st)
-        shards = sorted(set(json.load(open(st_index))["weight_map"].values()))
+            return read_safetensors(st)
+        shards = sorted(set(read_json(st_index).get("weight_map", {}).values()))
         out = {}
         for s in shards:
-            out.update(load_file(os.path.join(folder, s)))
+            out.update(read_safetensors(os.path.join(folder, s)))
         return out
     if os.path.exists(binf):
         return safe_torch_load(binf)
     raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
+
+
+def read_safetensors(path):
+    """A .safetensors file's tensors; a truncated or foreign file is a one-line CheckpointError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({str(e).splitlines()[0][:200]})") from None
+
+
+def read_json(path):
+    """A config / index JSON object; bad JSON names the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not UTF-8 text") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def safe_torch_load(path):
@@ -556,8 +590,11 @@ def safe_torch_load(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle.UnpicklingError and friends: never retry without weights_only
-        raise CheckpointError(f"{path}: refused to load: it is not a plain-tensor checkpoint "
-                              f"(weights_only=True rejected it: {str(e).splitlines()[0][:200]})") from None
+        first = str(e).splitlines()[0].split(". ")[0][:200] if str(e) else type(e).__name__
+        if "Weights only load failed" in str(e):
+            raise CheckpointError(f"{path}: refused to load: it is not a plain-tensor checkpoint "
+                                  f"(weights_only=True rejected it: {first})") from None
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint, not readable ({first})") from None
 
 
 def convert_hf_state(hf_state, cfg, path):
@@ -644,7 +681,7 @@ def read_hf_folder(folder):
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{folder}: no config.json (expected an HF model folder or a converted .pt)")
-    cfg = config_from_hf(json.load(open(cfg_path)), cfg_path)
+    cfg = config_from_hf(read_json(cfg_path), cfg_path)
     state = convert_hf_state(read_hf_weights(folder), cfg, folder)
     if "cls.out_proj.weight" in state:
         cfg.num_labels = state["cls.out_proj.weight"].size(0)
@@ -661,6 +698,8 @@ def read_checkpoint(path):
     ckpt = safe_torch_load(path)
     if not isinstance(ckpt, dict) or ckpt.get("format") != "attnreg-v1":
         raise CheckpointError(f"{path}: not an attnreg checkpoint (convert HF folders with `python model.py convert`)")
+    if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("model"), dict):
+        raise CheckpointError(f"{path}: an attnreg checkpoint without its config or weights (a damaged file?)")
     names = {f.name for f in fields(Config)}
     cfg = Config(**{k: v for k, v in ckpt["config"].items() if k in names})
     return cfg, ckpt["model"], ckpt.get("tokenizer", {}).get("files", {}), ckpt
@@ -681,17 +720,31 @@ def checkpoint_dict(model, tokenizer_files, **extra):
 
 
 def save_atomic(obj, path):
-    """torch.save to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
+    """torch.save to a temporary file, then rename: a crash never leaves a half-written checkpoint, and a failed
+    write (disk full) removes its temporary file and leaves the old checkpoint as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())        # on disk before the rename makes it the checkpoint
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())        # on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, RuntimeError):     # torch.save's "file write failed": the disk is full, most likely
+            raise OSError(f"{path}: could not write the checkpoint ({str(e).splitlines()[0]}); is the disk full?") from None
+        if isinstance(e, OSError):          # ENOSPC from fsync, a read-only folder: name the checkpoint
+            raise OSError(f"{path}: could not write the checkpoint ({e.strerror or e})") from None
+        raise
 
 
 def convert(hf_dir, out_path):
     cfg, state, tok, _ = read_checkpoint(hf_dir)
+    try:       # the converted file alone is enough to fine-tune: it must carry a tokenizer that works
+        data.tokenizer_from_files(data.tensors_to_files(tok))
+    except data.DataError as e:
+        raise CheckpointError(f"{hf_dir}: no usable tokenizer ({e})") from None
     model = build_model(cfg, state, hf_dir)
     save_atomic(checkpoint_dict(model, tok), out_path)
     return model
@@ -709,19 +762,35 @@ def export(ckpt_path, out_path):
     return model
 
 
+def check_output(path, force):
+    """convert / export write a new file: an existing one (a training run's ckpt_last.pt, say) is kept unless
+    --force; a folder or a missing parent folder is one clear line, before any work."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a folder; give the file to write (e.g. {os.path.join(path, 'model.pt')})")
+    if os.path.exists(path) and not force:
+        raise CheckpointError(f"{path}: exists; pass --force to replace it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{path}: no folder {parent} to write into")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Convert HF checkpoints (roberta, xlm-roberta, bert) to attnreg .pt files")
+    ap = ArgumentParser(description="Convert HF checkpoints (roberta, xlm-roberta, bert) to attnreg .pt files")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="HF_DIR OUT.pt: config, weights and tokenizer files in one file")
     c.add_argument("hf_dir")
     c.add_argument("out")
+    c.add_argument("--force", action="store_true", help="replace OUT.pt if it exists")
     i = sub.add_parser("info", help="print the config and size of a checkpoint")
     i.add_argument("path")
     e = sub.add_parser("export", help="CKPT OUT.pt: a trained model without G-Nets and training state")
     e.add_argument("ckpt")
     e.add_argument("out")
+    e.add_argument("--force", action="store_true", help="replace OUT.pt if it exists")
     args = ap.parse_args(argv)
-    try:
+    with one_line_errors():
+        if args.cmd in ("export", "convert"):
+            check_output(args.out, args.force)
         if args.cmd == "export":
             model = export(args.ckpt, args.out)
             print(f"wrote {args.out}: {model.num_params() / 1e6:.1f}M parameters (attn_dropout={model.cfg.attn_dropout})")
@@ -733,8 +802,6 @@ def main(argv=None):
             cfg, state, tok, _ = read_checkpoint(args.path)
             print(json.dumps(asdict(cfg), indent=1))
             print(f"{sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters; tokenizer files: {sorted(tok)}")
-    except (CheckpointError, ValueError) as e:
-        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ Input: DIR/train.json and DIR/dev.json (or the one train*.json / dev*.json there
 train-v1.1.json / dev-v1.1.json; TriviaQA and others are distributed in the same layout):
   {"data": [{"title": ..., "paragraphs": [{"context": "...", "qas": [{"id": "...", "question": "...",
       "answers": [{"text": "...", "answer_start": CHAR}, ...]}]}]}]}
-Questions without answers (SQuAD 2.0's is_impossible) are skipped and counted.
+Every answer must be its context's text at answer_start (an integer). SQuAD 2.0's unanswerable questions
+("is_impossible": true) are skipped, counted and reported; any other question without answers is an error.
 
 How to run: python train.py --task squad --data DIR --max-len 384 ...   (docs/tasks.md)
 """
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import sar
-from data import DataError, Example, TaskData, longest_first, make_batches
+from data import DataError, Example, TaskData, longest_first, make_batches, read_text
 from infra import autocast
 
 DOC_STRIDE = 128          # tokens between the starts of two windows of one context (BERT's run_squad)
@@ -73,11 +74,9 @@ def _line_of(raw, qid):
 
 
 def read_squad(path):
-    """[{qid, question, context, answers: [(text, char start)]}] of a SQuAD-format file; bad input -> DataError."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file")
-    with open(path, encoding="utf-8-sig") as f:
-        raw = f.read()
+    """[{qid, question, context, answers: [(text, char start)], where}] of a SQuAD-format file; bad input ->
+    DataError naming the file, line and question. SQuAD 2.0's unanswerable questions have answers []."""
+    raw = read_text(path)
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -85,30 +84,52 @@ def read_squad(path):
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise DataError(f"{path}:1: not SQuAD format (expected {{\"data\": [...]}})")
     out = []
-    for article in doc["data"]:
-        for para in article.get("paragraphs", []) if isinstance(article, dict) else []:
+    for i, article in enumerate(doc["data"]):
+        paragraphs = _list_of_objects(article.get("paragraphs", []) if isinstance(article, dict) else None,
+                                      f"{path}: data[{i}].paragraphs")
+        for j, para in enumerate(paragraphs):
             context = para.get("context")
-            for q in para.get("qas", []):
+            for q in _list_of_objects(para.get("qas", []), f"{path}: data[{i}].paragraphs[{j}].qas"):
                 qid = str(q.get("id", ""))
-                where = f"{path}:{_line_of(raw, q.get('id', ''))}: question {qid!r}"
+                at = f"{path}:{_line_of(raw, q.get('id', ''))}"
+                where = f"{at}: question {qid!r}"
                 if not isinstance(context, str) or not context.strip():
                     raise DataError(f"{where}: empty or missing context")
                 if not isinstance(q.get("question"), str) or not q["question"].strip():
                     raise DataError(f"{where}: empty or missing question")
-                answers = []
-                for a in q.get("answers", []):
-                    try:
-                        text, start = a["text"], int(a["answer_start"])
-                    except (KeyError, TypeError, ValueError):
-                        raise DataError(f"{where}: an answer needs \"text\" and an integer \"answer_start\"") from None
-                    if start < 0 or start + len(text) > len(context) or not text.strip():
-                        raise DataError(f"{where}: answer {text!r} at character {start} lies outside its context "
-                                        f"({len(context)} characters)")
-                    answers.append((text, start))
-                out.append({"qid": qid, "question": q["question"], "context": context, "answers": answers})
+                answers = [_answer(a, context, where) for a in _list_of_objects(q.get("answers", []), f"{where}: answers")]
+                if not answers and q.get("is_impossible") is not True:
+                    raise DataError(f"{where}: no answers (only SQuAD 2.0's \"is_impossible\": true questions may "
+                                    "have none)")
+                out.append({"qid": qid, "question": q["question"], "context": context, "answers": answers,
+                            "where": at})
     if not out:
         raise DataError(f"{path}:1: no questions")
     return out
+
+
+def _list_of_objects(value, where):
+    """A SQuAD list (paragraphs, qas, answers) whose items are JSON objects; anything else is a DataError."""
+    if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+        raise DataError(f"{where}: expected a list of objects, got {json.dumps(value)[:60]}")
+    return value
+
+
+def _answer(a, context, where):
+    """(text, start) of one answer, checked against its context: an integer start, and the text is exactly the
+    context's characters there (a wrong offset would train on the wrong span)."""
+    text, start = a.get("text"), a.get("answer_start")
+    if not isinstance(text, str) or not text.strip():
+        raise DataError(f"{where}: an answer needs a non-empty \"text\", got {json.dumps(text)[:40]}")
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise DataError(f"{where}: answer {text!r}: \"answer_start\" {json.dumps(start)} is not an integer")
+    if start < 0 or start + len(text) > len(context):
+        raise DataError(f"{where}: answer {text!r} at character {start} lies outside its context "
+                        f"({len(context)} characters)")
+    if context[start:start + len(text)] != text:
+        raise DataError(f"{where}: answer {text!r} does not match its context at character {start} "
+                        f"({context[start:start + len(text)]!r})")
+    return text, start
 
 
 def training_texts(task, data_dir, *, train_file=None, **files):
@@ -189,12 +210,12 @@ def load(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **colu
         raise DataError("--task squad needs a text tokenizer")
     if not os.path.isdir(data_dir) and (train_file is None or dev_file is None):
         raise DataError(f"{data_dir}: --task squad needs a folder with train.json and dev.json")
-    cache, skipped, splits = {}, 0, {}
+    cache, skipped, splits = {}, [], {}
     for split, path in (("train", train_file or _find(data_dir, "train")), ("dev", dev_file or _find(data_dir, "dev"))):
         examples = []
         for item in read_squad(path):
             if not item["answers"]:
-                skipped += 1                                               # unanswerable (SQuAD 2.0): not supported
+                skipped.append(item["where"])                              # unanswerable (SQuAD 2.0): not supported
                 continue
             examples += windows(item, tok, max_len, cache)
         splits[split] = examples

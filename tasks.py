@@ -20,10 +20,14 @@ Each entry (Kind) holds, for one task:
 Run: python tasks.py lra-text DIR   (also lra-retrieval, lra-image, lra-pathfinder, squad --tokenizer CKPT):
      reads a task folder and prints its statistics.
 """
-import argparse
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import json
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +40,8 @@ import lra
 import qa
 import sar
 from data import DataError
-from infra import autocast
+from cli import ArgumentParser, one_line_errors
+from infra import autocast, warn
 
 
 # -----------------------------------------------------------------------------
@@ -236,8 +241,8 @@ def show_metrics(name, metrics):
 # CLI: read a task folder and print its statistics
 
 def describe_task(name, data_dir, max_len=None, tokenizer_path=None):
-    """{split: {examples, mean_len, max_len, labels}} of a task folder: checks that its files read cleanly.
-    Lengths in tokens ([cls] included; a pair: its longer document)."""
+    """({split: {examples, mean_len, max_len, labels}}, the skipped rows' "FILE:LINE"s) of a task folder: checks
+    that its files read cleanly. Lengths in tokens ([cls] included; a pair: its longer document)."""
     tok = data.load_tokenizer(tokenizer_path) if tokenizer_path else fixed_tokenizer(name)
     task = load_task(name, data_dir, tok, max_len=max_len or kind(name).max_len)
     out = {}
@@ -247,11 +252,11 @@ def describe_task(name, data_dir, max_len=None, tokenizer_path=None):
                       "max_len": max(lengths)}
         if task.label_names:
             out[split]["labels"] = np.bincount([e.label for e in examples], minlength=task.num_labels).tolist()
-    return {"task": name, "truncated": task.n_truncated, "skipped": task.n_skipped, **out}
+    return {"task": name, "truncated": task.n_truncated, "skipped": task.n_skipped, **out}, task.skipped
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="read a task's data folder (docs/tasks.md) and print its statistics")
+    parser = ArgumentParser(description="read a task's data folder (docs/tasks.md) and print its statistics")
     sub = parser.add_subparsers(dest="task", required=True)
     for name in lra.TASKS + ("squad",):
         c = sub.add_parser(name, help=f"read a {name} data folder")
@@ -260,11 +265,13 @@ def main(argv=None):
         if name == "squad":
             c.add_argument("--tokenizer", required=True, help="an HF folder or .pt checkpoint whose tokenizer to use")
     args = parser.parse_args(argv)
-    try:
-        print(json.dumps(describe_task(args.task, args.data_dir, args.max_len, getattr(args, "tokenizer", None))))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    if args.max_len is not None and args.max_len < 1:
+        parser.error(f"--max-len {args.max_len}: must be >= 1")
+    with one_line_errors():
+        stats, skipped = describe_task(args.task, args.data_dir, args.max_len, getattr(args, "tokenizer", None))
+        if skipped:
+            warn(data.skipped_warning(skipped))
+        print(json.dumps(stats))
 
 
 if __name__ == "__main__":

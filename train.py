@@ -22,11 +22,16 @@ How to run it:
   torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
   python train.py --resume --out out/run          # continue a stopped / killed run
 """
+import signal
+import sys
+
+if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
 import argparse
 import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -39,9 +44,10 @@ from tqdm import tqdm
 import data
 import tasks
 from attendout import GNET, DropRateLogger, hold_budget
-from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, autocast, check_replicas, fail,
-                   gather_rng_states, is_main, prepare_out, public_args, rng_state, save_checkpoint, seed_everything, set_rng_state,
-                   setup_distributed, trim_log, warn, weights_finite)
+from cli import ArgumentParser, fail, one_line_errors
+from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, autocast, check_out, check_replicas,
+                   clear_out, gather_rng_states, is_main, lock_out, public_args, resolve_device, rng_state,
+                   save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn, weights_finite)
 from model import CheckpointError, Config, Model, apply_overrides, build_model, read_checkpoint
 
 # The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
@@ -60,7 +66,7 @@ SMALL_MODEL = 20e6
 # 1. Flags. Model and method flags default to None: "keep the checkpoint's value, or Config's default".
 
 def make_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = ap.add_argument_group("task and data")
     g.add_argument("--task", default="listops", help=f"one of {', '.join(tasks.TASKS)} (tasks.py)")
     g.add_argument("--data", default=None, help="task folder or file (listops: generated into data/listops-demo if omitted)")
@@ -88,7 +94,7 @@ def make_parser():
     g.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
     g.add_argument("--warmup", type=float, default=0.06, help="warmup: a fraction of the steps (< 1) or a step count")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decay on weight matrices and embeddings")
-    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: off)")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping, backbone and G-Nets apart (0: off)")
     g.add_argument("--seed", type=int, default=0)
 
     g = ap.add_argument_group("evaluation, logging, checkpoints")
@@ -173,6 +179,43 @@ def parse_args(argv):
     return args
 
 
+# the smallest value that means something, per flag (a flag left at None is not checked; --resume fills it in)
+AT_LEAST_1 = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn",
+              "block_size", "gnet_dim", "max_positions")
+AT_LEAST_0 = ("max_steps", "eval_every", "save_every", "eval_redraw", "warmup", "weight_decay", "clip", "lr", "sar",
+              "rdrop", "gnet_lr", "window", "num_global", "num_random", "ffn_chunk", "threads")
+MIN_MAX_LEN = 8                 # room for a pair's special tokens and some text
+
+
+def check_args(args):
+    """Values that mean nothing, refused before anything is read or written: one line naming the flag. Values
+    that would only fail after training (an evaluation flag, --log-every 0) are caught here too."""
+    def bad(name, why):
+        fail(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}")
+    for name in AT_LEAST_1 + AT_LEAST_0:
+        v = getattr(args, name)
+        low = 1 if name in AT_LEAST_1 else 0
+        if v is not None and not (math.isfinite(v) and v >= low):       # NaN fails too
+            bad(name, f"must be >= {low}")
+    if str(args.eval_shift) != "all" and not str(args.eval_shift).isdigit():    # below the block size: check_flags
+        bad("eval_shift", "give 'all' or a number of tokens >= 0")
+    args.eval_shift = args.eval_shift if args.eval_shift == "all" else int(args.eval_shift)
+    if args.max_steps == 0 and not (math.isfinite(args.epochs) and args.epochs > 0):
+        bad("epochs", "must be > 0 (or give --max-steps)")
+    if args.gnet_tau is not None and not args.gnet_tau > 0:
+        bad("gnet_tau", "the relaxed-Bernoulli temperature must be > 0")
+    if args.max_len is not None and args.max_len < MIN_MAX_LEN:
+        bad("max_len", f"must be at least {MIN_MAX_LEN} tokens (special tokens included)")
+    if args.task not in tasks.TASKS:
+        bad("task", f"unknown task; choose one of {', '.join(tasks.TASKS)}")
+    resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
+    if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
+        bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
+    for name in ("data", "train_file", "dev_file"):
+        if getattr(args, name) is not None and not os.path.exists(getattr(args, name)):
+            bad(name, "no such file or folder")
+
+
 # -----------------------------------------------------------------------------
 # 2. Data and model: where the examples, the tokenizer and the weights come from.
 
@@ -225,6 +268,9 @@ def read_init(args):
         cfg, state, tok_files, _ = read_checkpoint(args.init)
     except CheckpointError as e:
         fail(f"--init: {e}")
+    if not tok_files:      # a fine-tuned model reads text through its own tokenizer only
+        fail(f"--init {args.init}: no tokenizer files in it (an HF folder needs its tokenizer.json / vocab files; "
+             "convert it again with python model.py convert)")
     return cfg, state, tok_files
 
 
@@ -281,6 +327,11 @@ def check_data(args, task, data_dir):
             fail(f"{args.dev_file or data_dir}: the dev split {split!r} has no examples")
     if not task.dev:
         warn(f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt")
+    if task.skipped:
+        warn(data.skipped_warning(task.skipped))
+    if args.batch_size > len(task.train):
+        warn(f"--batch-size {args.batch_size} is larger than the training set ({len(task.train)} examples): every "
+             "step sees all of them")
     if task.n_truncated and task.num_labels == 0:
         warn(f"{task.n_truncated} lines were longer than --max-len {args.max_len} and were split into chunks")
     elif task.n_truncated:
@@ -310,27 +361,28 @@ def check_flags(args, cfg, task):
              "is one block (sparse attention is then dense)")
     if cfg.attn_dropout != "attendout" and any(f in args.given for f in GNET_FLAGS):
         warn("--gnet-* flags have no effect without --attn-dropout attendout")
+    if "schedule" in args.given and cfg.attn_dropout != "scheduled":
+        warn("--schedule has no effect without --attn-dropout scheduled")
+    columns = [f for f in ("text_col", "text_pair_col", "label_col") if f in args.given]
+    if columns and args.task != "tsv":
+        warn(f"--{', --'.join(f.replace('_', '-') for f in columns)}: only --task tsv reads columns by flag; "
+             f"--task {args.task} has its own")
     model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
     if args.resume and model_flags:
         warn(f"--resume continues the run's own model: ignoring --{', --'.join(f.replace('_', '-') for f in model_flags)}")
 
 
 def check_eval_perturbations(args, cfg):
-    """--eval-shift ('all' or 0 <= N < b under sparse / hst; stored back as 'all' or an int) and --eval-redraw:
-    one error line naming the flag, before training; a warning where the perturbation changes nothing."""
-    v = str(args.eval_shift)
-    if v != "all" and not v.isdigit():
-        fail(f"--eval-shift {v}: give 'all' or a number of tokens >= 0")
-    args.eval_shift = v if v == "all" else int(v)
-    b, sparse = cfg.block_size, cfg.attention != "dense"
-    if sparse and v != "all" and args.eval_shift >= b:
-        fail(f"--eval-shift {v}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b}: a shift of b tokens "
-             "puts every block boundary back on a boundary)")
-    if args.eval_redraw < 0:
-        fail(f"--eval-redraw {args.eval_redraw}: give a number of draws >= 0")
+    """--eval-shift ('all' or 0 <= N < b under sparse / hst; check_args made it 'all' or an int) and --eval-redraw,
+    once the model's topology is known, before training: an error line naming the flag, or a warning where the
+    perturbation changes nothing."""
+    b, sparse, every = cfg.block_size, cfg.attention != "dense", args.eval_shift == "all"
+    if sparse and not every and args.eval_shift >= b:
+        fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b}: a shift of "
+             "b tokens puts every block boundary back on a boundary)")
     if not sparse and args.eval_shift:
         warn("--eval-shift with dense attention: shifting moves no block boundary, so the shifted score repeats the "
-             "original" + (" (all: only s = 1 is scored)" if v == "all" else ""))
+             "original" + (" (all: only s = 1 is scored)" if every else ""))
     if args.eval_redraw and (not sparse or cfg.num_random == 0):
         warn("--eval-redraw has no effect without random blocks (dense attention or --num-random 0): not scored")
 
@@ -408,16 +460,22 @@ def main_metric(metrics, task):
 #    atomic checkpoint writes, Ctrl-C) lives in infra.py.
 
 def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run(args)
-    except (data.DataError, CheckpointError, ValueError, FloatingPointError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}", code=130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """Errors of the user's input end in one `error:` line, exit 2 (infra.one_line_errors); a stop by Ctrl-C
+    or SIGTERM exits 130 / 143 after saving, so `python train.py ... && next` does not carry on."""
+    with one_line_errors():
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        check_args(args)
+    with one_line_errors(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}"):
+        try:
+            with lock_out(args.out):
+                stopped_by = run(args)
+        except FloatingPointError as e:
+            fail(str(e))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if stopped_by:
+        sys.exit(128 + stopped_by)
 
 
 def run(args):
@@ -430,15 +488,18 @@ def run(args):
     #   report(r)     final.json and the last line: the final and best dev score beside the majority class.
     r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
     train(r)                     # the loop; returns when the last step is done or a stop was asked for
-    if r.state["step"] == r.total and is_main():
+    if r.state["step"] < r.total:
+        return r.stopped_by      # the signal that stopped it (the exit code is 128 + it)
+    if is_main():
         report(r)
+    return None
 
 
 class Run:
     """What one run holds. setup() fills it; the loop's functions read it and update `state`.
     `state` is the part that ckpt_last.pt saves (with the weights, AdamW and the RNGs): the step, the epoch and
     the position in it, the best dev score so far, the last dev metrics, skipped batches, wall time."""
-    args = rank = world = device = tok = kind = task = raw = model = optimizer = None   # kind: tasks.TASKS[--task]
+    args = rank = world = device = tok = kind = task = raw = model = optimizer = stopped_by = None   # kind: tasks.TASKS[--task]
     threads = 0                  # CPU threads in use (--threads, choose_threads)
     total = warmup = per_epoch = 0
     state = None
@@ -452,9 +513,9 @@ def setup(args):
     r.args = args
     r.rank, r.world, r.device = setup_distributed(args)
     # --- a resumed run takes its own flags back (except those given now), its weights, tokenizer and state
+    check_out(args)
     resumed = read_resume(args)
     init = read_init(args) if resumed is None and args.init != "scratch" else None
-    prepare_out(args)
     seed_everything(args.seed)
 
     # --- data: the task's entry in tasks.TASKS (reader, loss, evaluation), the tokenizer (the checkpoint's own,
@@ -503,6 +564,7 @@ def setup(args):
                "dev": {}, "saved_step": None}     # saved_step: the step that ckpt_last.pt holds
     r.paths = {name: os.path.join(args.out, name)
                for name in ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "ckpt_best.pt", "final.json")}
+    clear_out(args)              # --overwrite: the old run goes only now, with the new one's data and model ready
     if resumed:
         restore(r, resumed)
     if is_main():
@@ -531,6 +593,11 @@ def opening_line(r):
             + (f"; resuming at step {r.state['step']}" if args.resume else ""))
 
 
+# flags that change the data stream or the schedule: --resume refuses a new value (the others may change)
+RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
+                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup")
+
+
 def read_resume(args):
     """--resume: the run's ckpt_last.pt (config, weights, tokenizer, optimizer, state, RNGs), read as --init
     reads a checkpoint; the run's own flags fill in every flag not given now. None without --resume."""
@@ -540,6 +607,13 @@ def read_resume(args):
     if not os.path.exists(path):
         fail(f"--resume: {path} does not exist")
     cfg, state, tok_files, ckpt = read_checkpoint(path)
+    if not all(k in ckpt for k in ("args", "train_state", "optimizer", "rng")):
+        fail(f"--resume: {path} is not a training checkpoint (no run state; a converted or exported model? "
+             "use it with --init)")
+    for k in RESUME_FIXED:             # the saved position in the epoch means something only in the same stream
+        if k in args.given and k in ckpt["args"] and getattr(args, k) != ckpt["args"][k]:
+            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's "
+                 f"{ckpt['args'][k]}; a resumed run keeps its data and schedule (start a new --out to change it)")
     for k, v in ckpt["args"].items():
         if k not in args.given and k not in ("resume", "device"):
             setattr(args, k, v)
@@ -609,6 +683,7 @@ def train(r):
                 save_last(r, meter)
         bar.close()
         if state["step"] < r.total:                 # Ctrl-C / SIGTERM: save, say how to continue
+            r.stopped_by = stop.signum or signal.SIGTERM    # under torchrun: the process that was not signalled
             if state["saved_step"] != state["step"]:
                 save_last(r, meter)
             if is_main():

@@ -343,7 +343,18 @@ class ByteTokenizer:
 
 
 def tokenizer_from_files(files):
-    """Build the right tokenizer from {filename: bytes} (an HF folder's files or a checkpoint's)."""
+    """Build the right tokenizer from {filename: bytes} (an HF folder's files or a checkpoint's). A damaged file
+    (a cut tokenizer.json, a merges.txt of another format) is a one-line DataError naming the files."""
+    try:
+        return _tokenizer_from_files(files)
+    except DataError:
+        raise
+    except Exception as e:       # tokenizers / sentencepiece / json raise their own types (tokenizers: Exception)
+        raise DataError(f"tokenizer files {sorted(files)} are damaged or of an unknown format "
+                        f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+
+
+def _tokenizer_from_files(files):
     if KIND_FILE in files:
         kind = json.loads(files[KIND_FILE].decode("utf-8")).get("kind")
         if kind == "sentencepiece":

@@ -507,7 +507,7 @@ def test_gnet_init_leaves_the_global_random_stream_alone():
 # through train.py: the flags, the paired seeds and the drop-rate log
 
 import train  # noqa: E402
-from test_train import TINY, listops_dir, run_main  # noqa: E402,F401
+from test_train import TINY, run_main  # noqa: E402  (listops_dir: conftest.py)
 
 
 def test_every_method_starts_from_the_same_weights(listops_dir, tmp_path):

@@ -36,6 +36,8 @@ def make_hf(tmp_path, family, safetensors=True, head=None, **extra):
                 p.add_(torch.randn_like(p) * 0.1)
     d = tmp_path / f"{family}-{safetensors}-{head}"
     hf.save_pretrained(d, safe_serialization=safetensors)
+    # a small WordPiece vocabulary: `convert` refuses a folder without a tokenizer the converted file could carry
+    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghij"]) + "\n")
     return hf, str(d)
 
 
@@ -210,8 +212,9 @@ def test_convert_cli_and_errors(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     cfg, state, tok, raw = read_checkpoint(str(out))
     assert raw["format"] == "attnreg-v1" and cfg.position_style == "roberta"
-    with pytest.raises(SystemExit, match="neither an HF model folder nor a checkpoint"):
+    with pytest.raises(SystemExit) as e:
         main(["info", str(tmp_path / "nope")])
+    assert e.value.code == 2 and "neither an HF model folder nor a checkpoint" in capsys.readouterr().err
 
 
 def test_train_mode_hidden_dropout_is_active():

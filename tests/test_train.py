@@ -60,13 +60,6 @@ def tsv_args(folder, out):
             "--out", str(out), *TINY]
 
 
-@pytest.fixture(scope="module")
-def listops_dir(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("listops"))
-    data.write_listops(folder, 64, 16, 4, min_len=5, max_len=30, seed=0, max_depth=3, max_args=3)
-    return folder
-
-
 def listops_args(folder, out, steps=1):
     return ["--task", "listops", "--data", folder, "--out", str(out), "--max-steps", str(steps),
             "--batch-size", "8", *TINY]
@@ -352,7 +345,7 @@ def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
     for bad, words in ((["--eval-shift", "8"], "--eval-shift 8: give 'all' or a shift in 0 .. 7 (--block-size 8"),
                        (["--eval-shift", "al"], "--eval-shift al: give 'all' or a number of tokens"),
                        (["--eval-shift", "-1"], "--eval-shift -1: give 'all' or a number of tokens"),
-                       (["--eval-redraw", "-1"], "--eval-redraw -1: give a number of draws")):
+                       (["--eval-redraw", "-1"], "--eval-redraw -1: must be >= 0")):
         code, _, err = run_main(listops_args(listops_dir, tmp_path / "c") + sparse + bad, capfd)
         assert code == 2 and not (tmp_path / "c" / "final.json").exists()
         only_line(err, "error: ", words)
