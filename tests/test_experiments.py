@@ -184,3 +184,25 @@ def test_listops_long_grid_end_to_end(tmp_path, capfd, monkeypatch):
     experiments.main(argv)                                                   # resumable: nothing runs again
     assert "$ " not in capfd.readouterr().out
     assert open(tmp_path / "docs" / "results_listops_long.md").read() == table
+
+
+def test_listops_long_candidates_write_learning_curves(tmp_path, capfd, monkeypatch):
+    """--candidates: one hst run per candidate size (experiments.LONG_CANDIDATES), its dev accuracy at every
+    evaluation in one table, a column per candidate, read from each run's log.jsonl."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "long"
+    data.write_listops(str(out / "listops-long-data"), 32, 8, 2, min_len=20, max_len=60, seed=0, max_depth=3,
+                       max_args=4)
+    experiments.main(["listops-long", "--candidates", "--out", str(out), "--docs", str(tmp_path / "docs"),
+                      "--extra", "--max-steps", "4", "--eval-every", "2", "--batch-size", "8", "--block-size", "8"])
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert len(printed) == len(experiments.LONG_CANDIDATES)
+    assert all("--attention hst" in line and "--eval-shift" not in line for line in printed)
+    table = open(tmp_path / "docs" / "results_listops_long_candidates.md").read().splitlines()
+    assert table[0] == "| step | " + " | ".join(experiments.LONG_CANDIDATES) + " |"
+    for step, row in zip((2, 4), table[2:4]):
+        accs = []
+        for name in experiments.LONG_CANDIDATES:
+            log = experiments.read_jsonl(str(out / f"listops-long-candidate-{name}-s0" / "log.jsonl"))
+            accs.append(f"{100 * next(r['dev']['dev']['acc'] for r in log if r.get('step') == step and 'dev' in r):.1f}")
+        assert row == f"| {step} | " + " | ".join(accs) + " |"
