@@ -250,19 +250,19 @@ PRE_ATTENDOUT_VARIANTS = {  # baseline first; "scheduled" replays the attendout 
     "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
     "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
 }
-# The AttendOut ablation (methods.md §3.4): which part of the G-Net moves the result. Every row is an AttendOut
-# run but the baseline; "attendout" is the default form (Config.gnet_mask), so it is the same run folder as the
-# attendout row of pretrained-attendout, and the other rows change one thing each.
+# The AttendOut ablation (methods.md §3.4): which part of the G-Net moves the result. Every row but the
+# baseline is an AttendOut run with its mask form given explicitly, so the table means the same whatever
+# Config.gnet_mask's default is; the last three rows change one thing each against the logit form.
+ABL = ["--attn-dropout", "attendout", "--gnet-mask"]
 ABLATION_VARIANTS = {
     "standard": ["--attn-dropout", "standard"],
-    "attendout": ["--attn-dropout", "attendout"],                                      # the default mask form
-    "frozen": ["--attn-dropout", "attendout", "--gnet-lr", "0"],                      # the same path, no learning
-    "logit": ["--attn-dropout", "attendout", "--gnet-mask", "logit"],                 # rows renormalised
-    "inverted": ["--attn-dropout", "attendout", "--gnet-mask", "inverted"],           # A k / (1 - pi), unbounded
-    "capped": ["--attn-dropout", "attendout", "--gnet-mask", "capped"],               # pi <= 0.5
-    "rowscale": ["--attn-dropout", "attendout", "--gnet-mask", "rowscale"],           # logit's forward, constant sum
-    "cooperative": ["--attn-dropout", "attendout", "--gnet-cooperative"],             # no gradient reversal
-    "layer_budget": ["--attn-dropout", "attendout", "--gnet-budget-scope", "layer"],  # rho in every layer
+    "logit": [*ABL, "logit"],                                    # rows renormalised over the kept keys
+    "rowscale": [*ABL, "rowscale"],                              # logit's forward, the row sum a constant
+    "capped": [*ABL, "capped"],                                  # A k / (1 - pi), pi <= 0.5
+    "inverted": [*ABL, "inverted"],                              # A k / (1 - pi), unbounded
+    "frozen": [*ABL, "logit", "--gnet-lr", "0"],                 # the same path, no learning: pi = rho everywhere
+    "cooperative": [*ABL, "logit", "--gnet-cooperative"],        # no gradient reversal
+    "layer_budget": [*ABL, "logit", "--gnet-budget-scope", "layer"],   # rho in every layer
 }
 # ERNIE-Sparse: b = 8 gives 3-4 blocks for a typical sentence (up to 8 at max length 64); window 1 and one
 # global token ([CLS]); no random blocks, so a block outside the window is seen only through the global token.
@@ -396,8 +396,7 @@ def attendout_ablation(a):
     the final per-layer rates and the largest pi / attention-row sum seen in training."""
     import model
     default = model.Config().gnet_mask
-    variants = {k: v for k, v in ABLATION_VARIANTS.items() if k != default}   # the default form is "attendout"
-    finals, dirs = pretrained_runs(a, variants, [])
+    finals, dirs = pretrained_runs(a, ABLATION_VARIANTS, [])
     if a.dry_run:
         return
     rows, raw = [], {}
@@ -420,7 +419,7 @@ def attendout_ablation(a):
         if not a.keep_ckpt:
             for d in dirs[(ds, setting, name)]:
                 drop_checkpoints(d)
-        label = f"attendout ({default}, default)" if name == "attendout" else name
+        label = f"{name} (default)" if name == default else name
         rows.append(f"| {ds} | {label} | {fmt(acc)} | {fmt_diff(base, acc)} | {rates or '-'} | {tail} "
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | row | dev acc (%) | paired diff to standard, 95% CI (points) | final drop rate, layers 1..L "
@@ -659,7 +658,7 @@ def main(argv=None):
     if a.seeds is None:
         a.seeds = [0, 1, 2, 3, 4] if "attendout" in a.experiment else [0, 1, 2]
     if a.out is None:
-        # the ablation shares pretrained-attendout's folder: its standard and attendout rows are the same runs
+        # the ablation shares pretrained-attendout's folder: its standard rows are the same runs
         a.out = (os.path.join("out", "pretrained-attendout") if a.experiment == "attendout-ablation"
                  else os.path.join("out", a.experiment) if pre or a.experiment == "listops-long"
                  else os.path.join("out", "experiments"))

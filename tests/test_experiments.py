@@ -206,3 +206,32 @@ def test_listops_long_candidates_write_learning_curves(tmp_path, capfd, monkeypa
             log = experiments.read_jsonl(str(out / f"listops-long-candidate-{name}-s0" / "log.jsonl"))
             accs.append(f"{100 * next(r['dev']['dev']['acc'] for r in log if r.get('step') == step and 'dev' in r):.1f}")
         assert row == f"| {step} | " + " | ".join(accs) + " |"
+
+
+def test_attendout_ablation_rows_carry_their_own_mask_and_tail(tiny_grid, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tiny_grid / "runs-ablation"
+    run_grid(tiny_grid, ["attendout-ablation", "--out", str(out), "--variants", "standard", "logit", "capped"], capfd)
+    raw = json.load(open(tiny_grid / "docs" / "results_attendout_ablation_sst2.json"))["sst2-lowres"]
+    table = open(tiny_grid / "docs" / "results_attendout_ablation_sst2.md").read()
+    for row, bound in (("logit", 1.0), ("capped", 2.0)):       # each row ran its own form, whatever the default
+        for s in (0, 1):
+            args = json.load(open(out / f"sst2-lowres-{row}-s{s}" / "final.json"))["config"]
+            assert args["gnet_mask"] == row
+        logs = [[json.loads(line) for line in open(out / f"sst2-lowres-{row}-s{s}" / "droprates.jsonl")]
+                for s in (0, 1)]
+        assert raw[row]["max_row_sum"] == max(x for log in logs for r in log for x in r["max_row_sum"])
+        assert 0.99 < raw[row]["max_row_sum"] <= bound + 1e-5
+        final = [sum(log[-1]["drop_rate"][0] for log in logs) / 2]          # one layer: mean over seeds
+        assert raw[row]["final_rates"] == pytest.approx(final)
+        assert f"| sst2 | {row}" in table
+    assert "max_pi" not in raw["standard"] and "| sst2 | standard | " in table
+
+
+def test_attendout_probe_writes_its_table(tiny_grid, capfd):
+    experiments.main(["attendout-probe", "--init", str(tiny_grid / "init" / "ckpt_last.pt"), "--data-root",
+                      str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs")])
+    text = open(tiny_grid / "docs" / "probe_attendout_sst2.md").read()
+    for name in ("standard", "attendout, logit", "attendout, capped", "attendout, inverted"):
+        assert f"| {name} | " in text
+    assert "| 1 | " in text                                                  # the one layer's attention rows
