@@ -14,7 +14,7 @@ Four methods, chosen by `--attn-dropout` (config.attn_dropout) and built by `mak
 
 Where the G-Net mask is: `AttendOut.hook` (below) returns drop_fn; drop_fn computes the drop logits Z and
 calls `apply_keep_mask`, which samples the keep mask k and applies it by the --gnet-mask form: by default
-(logit) A * k renormalised per row, the softmax over the kept keys. The kernels call drop_fn on the
+(capped) A * k / (1 - pi) with every pi <= 0.5, so a kept pair is rescaled at most 2x. The kernels call drop_fn on the
 attention probabilities right after the softmax (model.dense_attention, sparse._attend).
 
 The mean drop rate is a constraint, not a penalty: in every training forward the hook shifts each layer's

@@ -71,8 +71,8 @@ class Config:
     gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
     gnet_budget: float | None = None  # rho, the mean drop rate the G-Nets are held at; None: attn_dropout_p
     gnet_lr: float = 3e-3             # the G-Nets' own peak learning rate (AdamW, no decay, same schedule; 0: frozen)
-    gnet_mask: str = "logit"          # how the keep mask is applied (attendout.apply_keep_mask, methods.md §3.1):
-                                      # "logit" | "rowscale" | "capped" | "inverted"
+    gnet_mask: str = "capped"         # how the keep mask is applied (attendout.apply_keep_mask, methods.md §3.1):
+                                      # "capped" | "logit" | "rowscale" | "inverted" (README's ablation)
     gnet_max_pi: float = 0.5          # "capped": no pair's drop probability exceeds this (rescale <= 1/(1 - it))
     gnet_reverse: bool = True         # gradient reversal: the G-Net maximises the task loss (False: cooperative)
     gnet_budget_scope: str = "mean"   # "mean": the mean rate over layers is held at rho; "layer": every layer's

@@ -140,7 +140,7 @@ def make_parser():
     g.add_argument("--gnet-tau", type=float, default=None, help="relaxed-Bernoulli temperature")
     g.add_argument("--gnet-dim", type=int, default=None, help="d_g, G-Net projection size per head")
     g.add_argument("--gnet-mask", choices=["logit", "rowscale", "capped", "inverted"], default=None,
-                   help="how the G-Net's keep mask is applied (methods.md §3.1; default logit)")
+                   help="how the G-Net's keep mask is applied (methods.md §3.1; default capped)")
     g.add_argument("--gnet-max-pi", type=float, default=None,
                    help="--gnet-mask capped: the largest drop probability of any pair (default 0.5)")
     g.add_argument("--gnet-cooperative", dest="gnet_reverse", action="store_false", default=None,

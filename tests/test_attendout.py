@@ -423,9 +423,10 @@ def row_sums_after_drop(m, seed=0):
 
 @pytest.mark.parametrize("form, bound", [("logit", 1.0), ("rowscale", 1.0), ("capped", 2.0)])
 def test_bounded_forms_keep_every_row_sum_under_their_bound(form, bound):
-    # the default form (logit) and the other bounded ones, against the strongest G-Net the bound allows, over
+    # the default form (capped) and the other bounded ones, against the strongest G-Net the bound allows, over
     # many draws of the mask; the unbounded inverted form, in the same setting, goes far above (next test)
-    assert ao.MASKS[0] == "logit"
+    import model
+    assert model.Config().gnet_mask == "capped"                # the default's bound: 1 / (1 - 0.5) = 2
     worst, top_pi = 0.0, 0.0
     for seed in range(20):
         sums, m = row_sums_after_drop(adversarial_module(form), seed)
@@ -546,9 +547,9 @@ def test_mask_flags_reach_the_model_and_the_log(listops_dir, tmp_path, capfd):
     code, _, err = run_main(["--task", "listops", "--data", listops_dir, "--out", str(out), "--max-steps", "2",
                              "--batch-size", "8", "--log-every", "1", "--attn-dropout", "attendout", *TINY], capfd)
     assert code == 0, err
-    assert torch.load(out / "ckpt_last.pt", weights_only=True)["config"]["gnet_mask"] == "logit"
+    assert torch.load(out / "ckpt_last.pt", weights_only=True)["config"]["gnet_mask"] == "capped"
     lines = [json.loads(line) for line in open(out / "droprates.jsonl")]
-    assert all(s <= 1.0 + 1e-5 for r in lines for s in r["max_row_sum"])
+    assert all(s <= 2.0 + 1e-5 and p <= 0.5 + 1e-6 for r in lines for s, p in zip(r["max_row_sum"], r["max_pi"]))
 
 
 def test_gnet_gradient_does_not_shrink_the_backbone_step(listops_dir, tmp_path):
