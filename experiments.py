@@ -481,6 +481,7 @@ def attendout_probe(a):
             f"{a.datasets[0]}, hidden dropout off, attention dropout rate {cfg.attn_dropout_p}.")
     text = "\n".join(lines) + "\n\n" + note + "\n"
     print(text)
+    os.makedirs(a.docs, exist_ok=True)
     with open(os.path.join(a.docs, f"probe_attendout_{a.datasets[0]}.md"), "w") as f:
         f.write(text)
 
