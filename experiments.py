@@ -491,16 +491,24 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_ablation_rates(a, raw):
-    """docs/droprates_ablation[_SUFFIX].png: each AttendOut row's final per-layer drop rate (mean over seeds), one
-    panel per data set and setting."""
-    name = "droprates_ablation" + settings_suffix(a)
+def pyplot_or_none(name):
+    """matplotlib.pyplot (headless), or None with a note when matplotlib is not installed (figures are optional)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib is not installed: no docs/{name}.png")
+        return None
+    return plt
+
+
+def plot_ablation_rates(a, raw):
+    """docs/droprates_ablation[_SUFFIX].png: each AttendOut row's final per-layer drop rate (mean over seeds), one
+    panel per data set and setting."""
+    name = "droprates_ablation" + settings_suffix(a)
+    plt = pyplot_or_none(name)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(raw), figsize=(5.5 * len(raw), 3.6), squeeze=False)
     for ax, (key, rows) in zip(axes[0], raw.items()):
@@ -584,12 +592,8 @@ def plot_pretrained_droprates(a):
     """docs/droprates_pretrained[_SETTINGS].png: the attendout runs' per-layer drop rate over training (mean
     over seeds), one panel per (data set, setting)."""
     name = "droprates_pretrained" + settings_suffix(a)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no docs/{name}.png")
+    plt = pyplot_or_none(name)
+    if plt is None:
         return
     panels = [(ds, st) for st in a.settings for ds in a.datasets]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
