@@ -434,14 +434,16 @@ class AttendOut(AttnDropout):
                 target = self.gnet.target        # the budget (methods.md §3.1): shift the logits so that their
                 eps = torch.where(torch.isnan(target), 0.0,          # mean rate = target (NaN: none yet, no shift)
                                   shift_for_rate(h, target, self.z_max))
-            Z = (Z + eps).clamp_max(self.z_max)  # eps is a constant: the G-Net's gradient is that of its own logits
+            Z = Z + eps                          # eps is a constant: the G-Net's gradient is that of its own logits
+            if self.z_max < math.inf:            # capped: Z <= logit(pi_max), so pi <= pi_max
+                Z = Z.clamp_max(self.z_max)
             pi = torch.sigmoid(Z)                # drop probability pi (capped form: <= pi_max)
             Zr = grad_reverse(Z) if self.reverse else Z  # mask path: the G-Net receives -dL_task/dZ
             out = apply_keep_mask(self.form, A, Zr, pi.detach(), self.tau)   # THE mask: A' (same layout as A)
             with torch.no_grad():                # statistics for the budget and the log: plain numbers,
                 s, n = masked_sum(pi, valid)     # no graph, so nothing is kept alive after the step
                 top = (pi if valid is None else pi.masked_fill(~valid, 0.0)).max()
-                rows = out.float().sum(-1).max()
+                rows = out.sum(-1, dtype=torch.float32).max()
                 first = self.pi_sum is None
                 self.pi_sum = s if first else self.pi_sum + s
                 self.pi_count = n if first else self.pi_count + n
@@ -505,33 +507,38 @@ def hold_budget(modules, all_reduce=None):
     mean = (stats[ran, 0] / stats[ran, 1]).mean().item()                              # m, as applied
     rho, z_max = mods[0].rho, mods[0].z_max
     hists = stats[ran, 2:]                                                            # [L_ran, Z_BINS]
+    ran_mods = [m for m, r in zip(mods, ran.tolist()) if r]
     if mods[0].scope == "layer":
-        deltas = torch.stack([shift_for_rate(h, rho, z_max) for h in hists]).double()  # delta_l, one per layer
-        targets = torch.full((len(hists),), rho, dtype=torch.float64)                  # t_l = rho
+        deltas = [shift_for_rate(h, rho, z_max).item() for h in hists]                # delta_l, one per layer
+        targets = [rho] * len(deltas)                                                 # t_l = rho
+        for m, d in zip(ran_mods, deltas):
+            m.gnet.beta.add_(d)
+        shift = sum(deltas) / len(deltas)
     else:
-        deltas = shift_for_rate(hists, rho, z_max).double().expand(len(hists))         # one shift for all
-        targets = rates_after_shift(hists, deltas[:1], z_max)[:, 0]                    # t_l, mean rho
-    for m, t, d in zip([m for m, r in zip(mods, ran.tolist()) if r], targets.tolist(), deltas.tolist()):
+        shift = shift_for_rate(hists, rho, z_max).item()                              # one shift for all
+        targets = rates_after_shift(hists, torch.tensor([shift]), z_max)[:, 0].tolist()   # t_l, mean rho
+        for m in mods:                                                                # layers that did not run
+            m.gnet.beta.add_(shift)                                                   # follow the common level
+    for m, t in zip(ran_mods, targets):
         m.gnet.target.fill_(t)
-        m.gnet.beta.add_(d)
-    if mods[0].scope == "mean":                                                       # layers that did not run
-        for m, r in zip(mods, ran.tolist()):                                          # follow the common level
-            if not r:
-                m.gnet.beta.add_(deltas[0].item())
-    return mean, deltas.mean().item()
+    return mean, shift
+
+
+def float_or_nan(t):
+    """A 0-dim statistic as a float; nan when the layer did not run (None)."""
+    return float("nan") if t is None else float(t)
 
 
 def drop_rates(modules):
     """Mean drop probability per AttendOut layer in the last training forward, as floats (nan: did not run)."""
-    return [float(m.mean_pi()) if m.mean_pi() is not None else float("nan") for m in attendout_modules(modules)]
+    return [float_or_nan(m.mean_pi()) for m in attendout_modules(modules)]
 
 
 def drop_tails(modules):
     """Per AttendOut layer in the last training forward: (largest pi over real pairs, largest row sum of A' after
     dropping), as two lists of floats (nan: did not run). The mask's tail, logged beside the mean rates."""
     mods = attendout_modules(modules)
-    return ([float(m.pi_max) if m.pi_max is not None else float("nan") for m in mods],
-            [float(m.row_max) if m.row_max is not None else float("nan") for m in mods])
+    return [float_or_nan(m.pi_max) for m in mods], [float_or_nan(m.row_max) for m in mods]
 
 
 class DropRateLogger:

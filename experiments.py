@@ -601,8 +601,7 @@ def plot_pretrained_droprates(a):
     for ax, (ds, st) in zip(axes[0], panels):
         runs = []
         for s in a.seeds:
-            with open(os.path.join(a.out, f"{ds}-{st}-attendout-s{s}", "droprates.jsonl")) as f:
-                runs.append([json.loads(line) for line in f if line.strip()])
+            runs.append(read_jsonl(os.path.join(a.out, f"{ds}-{st}-attendout-s{s}", "droprates.jsonl")))
         n = min(len(r) for r in runs)
         frac = [runs[0][i]["step_frac"] for i in range(n)]
         layers = len(runs[0][0]["drop_rate"])
