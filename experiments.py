@@ -131,14 +131,19 @@ LONG_DATA = ["--train", "20000", "--val", "500", "--test", "100", "--min-len", "
 # one random block, the global [CLS] token and (HST) its block's representative: any two tokens further apart
 # than the window meet only through the random block, [CLS] or the representatives (methods.md §2.1, §2.2)
 LONG_TOPOLOGY = ["--block-size", "32", "--window", "1", "--num-global", "1", "--num-random", "1"]
-# the grid's model: the smallest of LONG_CANDIDATES (LRA: 6 layers, d 512, 8 heads, MLP 2048); choose it again
-# from `python experiments.py listops-long --candidates` (docs/results_listops_long_candidates.md)
-LONG_MODEL = ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"]
+# the grid's model: the smallest of LONG_CANDIDATES that learned (docs/results_listops_long_candidates.md: 2 x 64
+# stayed at the majority class for 1,000 steps, 2 x 128 reached 34% by step 300). LRA: 6 layers, d 512, 8 heads,
+# MLP 2048. Choose it again with `python experiments.py listops-long --candidates`.
+LONG_MODEL = ["--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256"]
 # No attention dropout (LRA: 0.1): without it the sparse kernel runs through PyTorch's fused attention
-# (sparse.py), 1.9x faster per step on one CPU thread here (1.5 s -> 0.8 s, hst, batch 32); hidden dropout stays 0.1.
+# (sparse.py), 1.9x faster per step on one CPU thread here (1.5 s -> 0.8 s, hst 2 x 64, batch 32); hidden dropout 0.1.
 LONG_COMMON = ["--task", "listops", "--init", "scratch", "--max-len", "1000", "--batch-size", "32", "--lr", "1e-3",
-               "--max-steps", "1000", "--eval-every", "1000000",        # one evaluation, on the final weights
+               "--eval-every", "1000000",         # one evaluation, on the final weights
                "--attn-dropout", "none"]
+# 500 steps of batch 32 (16,000 sequences, 0.8 epoch; LRA: 5,000 steps): the candidates' curves are flat after
+# step 300 (2 x 128: 34.2 / 34.2 / 34.8% at steps 300 / 400 / 500), and 2 CPU cores allow no more for the grid
+LONG_STEPS = ["--max-steps", "500"]
+LONG_CURVE_STEPS = ["--max-steps", "1000"]       # --candidates: the learning curves run this long
 # every shift s = 1 .. b-1 and 3 other draws of the random blocks, in the final evaluation (train.py)
 LONG_PERTURB = ["--eval-shift", "all", "--eval-redraw", "3"]
 LONG_CANDIDATES = {         # model sizes whose learning curves (hst, seed 0) choose LONG_MODEL
@@ -173,7 +178,7 @@ def listops_long(a):
             if a.variants and name not in a.variants:
                 continue
             out = os.path.join(a.out, f"listops-long-{name.replace('+', '_')}-s{s}")
-            cmd = [*LONG_COMMON, *LONG_MODEL, *LONG_TOPOLOGY, *LONG_PERTURB, *extra, "--data", data_dir, *a.extra,
+            cmd = [*LONG_COMMON, *LONG_STEPS, *LONG_MODEL, *LONG_TOPOLOGY, *LONG_PERTURB, *extra, "--data", data_dir, *a.extra,
                    "--seed", str(s)]
             finals.setdefault(name, []).append(run_train(cmd, out, a.threads, a.out, a.dry_run))
             dirs.setdefault(name, []).append(out)
@@ -199,7 +204,7 @@ def listops_long(a):
             f"+- std over seeds of the final weights' dev accuracy; paired difference to the hst row with a 95% "
             f"t-interval over seeds. Shifted: every s = 1 .. {f0['config']['block_size'] - 1} (train.py --eval-shift "
             f"all; dense: s = 1 alone, a shift moves no block boundary); redrawn: other draws of the random blocks "
-            f"(--eval-redraw). Flags: {' '.join(LONG_COMMON + LONG_MODEL + LONG_TOPOLOGY + LONG_PERTURB + a.extra)}")
+            f"(--eval-redraw). Flags: {' '.join(LONG_COMMON + LONG_STEPS + LONG_MODEL + LONG_TOPOLOGY + LONG_PERTURB + a.extra)}")
     write_results(a, "listops_long", table, note, raw)
 
 
@@ -210,7 +215,7 @@ def listops_long_candidates(a, data_dir):
     s, curves, walls = a.seeds[0], {}, {}
     for name, model in LONG_CANDIDATES.items():
         out = os.path.join(a.out, f"listops-long-candidate-{name}-s{s}")
-        cmd = [*LONG_COMMON, *model, *LONG_TOPOLOGY, "--attention", "hst", "--data", data_dir,
+        cmd = [*LONG_COMMON, *LONG_CURVE_STEPS, *model, *LONG_TOPOLOGY, "--attention", "hst", "--data", data_dir,
                "--eval-every", str(LONG_CURVE_EVERY), *a.extra, "--seed", str(s)]
         f = run_train(cmd, out, a.threads, a.out, a.dry_run)
         if f is not None:
@@ -226,7 +231,7 @@ def listops_long_candidates(a, data_dir):
              f"| time per run (s) | {' | '.join(f'{w:.0f}' for w in walls.values())} |"]
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Dev accuracy (%) on the original topology; "
             f"hst attention, seed {s}; majority-class baseline {100 * f['majority_baseline']:.1f}%. Candidates "
-            f"(layers x hidden): {LONG_CANDIDATES}. Flags: {' '.join(LONG_COMMON + LONG_TOPOLOGY + a.extra)}")
+            f"(layers x hidden): {LONG_CANDIDATES}. Flags: {' '.join(LONG_COMMON + LONG_CURVE_STEPS + LONG_TOPOLOGY + a.extra)}")
     write_results(a, "listops_long_candidates", table, note, {"curves": curves, "wall_time_s": walls})
 
 
