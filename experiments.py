@@ -100,6 +100,19 @@ def fmt(xs, scale=100.0):
     return f"{m:.1f} +- {s:.1f}"
 
 
+def chosen(a, rows, baseline=True):
+    """The names of `rows` that --variants picks, in the table's order (all of them without --variants). One
+    error line for a name that is not a row, or (baseline=True) a choice without the first row, the baseline
+    that the paired differences are taken against."""
+    unknown = [v for v in a.variants or [] if v not in rows]
+    if unknown:
+        fail(f"--variants {' '.join(unknown)}: not a row of {a.experiment}; choose among {' '.join(rows)}")
+    first = next(iter(rows))
+    if a.variants and baseline and first not in a.variants:
+        fail(f"--variants: the baseline row {first} must be among them (the paired differences are taken against it)")
+    return [name for name in rows if not a.variants or name in a.variants]
+
+
 def listops(a):
     data_dir = os.path.join(a.out, "listops-data")
     if not os.path.exists(os.path.join(data_dir, "basic_val.tsv")):
@@ -174,9 +187,8 @@ def listops_long(a):
         return listops_long_candidates(a, data_dir)
     finals, dirs = {}, {}
     for s in a.seeds:
-        for name, extra in PRE_SPARSE_VARIANTS.items():                # the same five rows, hst (baseline) first
-            if a.variants and name not in a.variants:
-                continue
+        for name in chosen(a, PRE_SPARSE_VARIANTS):                   # the same five rows, hst (baseline) first
+            extra = PRE_SPARSE_VARIANTS[name]
             out = os.path.join(a.out, f"listops-long-{name.replace('+', '_')}-s{s}")
             cmd = [*LONG_COMMON, *LONG_STEPS, *LONG_MODEL, *LONG_TOPOLOGY, *LONG_PERTURB, *extra, "--data", data_dir, *a.extra,
                    "--seed", str(s)]
@@ -213,7 +225,8 @@ def listops_long_candidates(a, data_dir):
     model, hst attention, the first --seeds value: the smallest one that learns well above the majority class
     is the grid's LONG_MODEL."""
     s, curves, walls = a.seeds[0], {}, {}
-    for name, model in LONG_CANDIDATES.items():
+    for name in chosen(a, LONG_CANDIDATES, baseline=False):          # --variants 2x64 2x128: only these sizes
+        model = LONG_CANDIDATES[name]
         out = os.path.join(a.out, f"listops-long-candidate-{name}-s{s}")
         cmd = [*LONG_COMMON, *LONG_CURVE_STEPS, *model, *LONG_TOPOLOGY, "--attention", "hst", "--data", data_dir,
                "--eval-every", str(LONG_CURVE_EVERY), *a.extra, "--seed", str(s)]
@@ -365,9 +378,8 @@ def pretrained_runs(a, variants, extra_common):
         for ds in a.datasets:
             flags, epochs = setting_flags(a, ds, setting)
             for s in a.seeds:
-                for name, extra in variants.items():
-                    if a.variants and name not in a.variants:
-                        continue
+                for name in chosen(a, variants):
+                    extra = variants[name]
                     out = os.path.join(a.out, f"{ds}-{setting}-{name.replace('+', '_')}-s{s}")
                     ao_out = os.path.join(a.out, f"{ds}-{setting}-attendout-s{s}")
                     cmd = [*PRE_COMMON, *extra_common, "--init", a.init, *flags, "--epochs", str(epochs),
@@ -655,7 +667,8 @@ def main(argv=None):
     ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),
                     help="pretrained-*: lowres (1,000 training examples) and / or full")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="pretrained-*, listops-long: only these rows (default: all; the first row, the baseline, must be among them)")
+                    help="pretrained-*, listops-long: only these rows (default: all; the first row, the baseline, must be among "
+                         "them); listops-long --candidates: only these model sizes")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                     help="pretrained-*, listops-long: more train.py flags for every run (last on the line, so they win; "
                          "e.g. --extra --gnet-lr 1e-3)")

@@ -235,3 +235,28 @@ def test_attendout_probe_writes_its_table(tiny_grid, capfd):
     for name in ("standard", "attendout, logit", "attendout, capped", "attendout, inverted"):
         assert f"| {name} | " in text
     assert "| 1 | " in text                                                  # the one layer's attention rows
+
+
+def test_variants_pick_rows_and_candidates_by_name(tmp_path, capfd, monkeypatch):
+    """--variants: only the named rows (listops-long --candidates: only the named model sizes), in the table's
+    order; a name that is no row, or a grid without its baseline row, is one error line before anything runs."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "long"
+    data.write_listops(str(out / "listops-long-data"), 16, 8, 2, min_len=20, max_len=60, seed=0, max_depth=3,
+                       max_args=4)
+    experiments.main(["listops-long", "--candidates", "--variants", "2x128", "2x64", "--out", str(out), "--dry-run"])
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert [line.split("--out ")[1].split()[0] for line in printed] == [
+        str(out / f"listops-long-candidate-{name}-s0") for name in ("2x64", "2x128")]
+    experiments.main(["listops-long", "--variants", "hst", "hst+sar", "--out", str(out), "--seeds", "0", "--dry-run"])
+    printed = [line for line in capfd.readouterr().out.splitlines() if line.startswith("$ ")]
+    assert [line.split("--out ")[1].split()[0] for line in printed] == [
+        str(out / f"listops-long-{name}-s0") for name in ("hst", "hst_sar")]
+    for variants, says in ((["hst", "hst+sra"], "--variants hst+sra: not a row of listops-long"),
+                           (["sparse", "hst+sar"], "--variants: the baseline row hst must be among them")):
+        with pytest.raises(SystemExit) as e:
+            experiments.main(["listops-long", "--variants", *variants, "--out", str(out), "--seeds", "0"])
+        assert e.value.code == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert sorted(os.listdir(out)) == ["listops-long-data"]                 # nothing ran
