@@ -29,6 +29,8 @@ And ERNIE-Sparse where topology matters, from scratch at LRA's lengths (issue 23
                          shift and over 3 re-drawn random blocks (train.py --eval-shift all --eval-redraw 3),
                          the drop under shifting, paired differences to hst. --candidates: the learning curves
                          of 2-3 model sizes, to choose the grid's model (LONG_MODEL).
+  listops-long-probe     what a shift does to those models' answers: the share of dev predictions it changes
+                         and the symmetric KL of the outputs (SAR's own quantity), at s = 1, 8, 16, 24.
 
 How to run it:
     python experiments.py listops                      # -> docs/results_listops.md / .json
@@ -39,6 +41,7 @@ How to run it:
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
     python experiments.py listops-long --candidates --threads 1            # -> docs/results_listops_long_candidates.md
     python experiments.py listops-long --threads 1                         # -> docs/results_listops_long.md / .json
+    python experiments.py listops-long-probe --variants hst sparse hst+sar hst+rdrop   # after the grid
 """
 import signal
 import sys
@@ -218,6 +221,93 @@ def listops_long(a):
             f"all; dense: s = 1 alone, a shift moves no block boundary); redrawn: other draws of the random blocks "
             f"(--eval-redraw). Flags: {' '.join(LONG_COMMON + LONG_STEPS + LONG_MODEL + LONG_TOPOLOGY + LONG_PERTURB + a.extra)}")
     write_results(a, "listops_long", table, note, raw)
+
+
+def probe_shifts(b):
+    """The shifts listops-long-probe scores: s = 1 and a quarter, half and three quarters of the block (b = 32:
+    1, 8, 16, 24)."""
+    return sorted({1, max(1, b // 4), max(1, b // 2), max(1, 3 * b // 4)})
+
+
+def window_change(s, b):
+    """The mean fraction of a token's window keys (window 1: its block and both neighbours, 3b tokens) that a
+    shift by s replaces. A token at offset o in its block keeps its block when o + s < b (b - s offsets; the
+    window moves by s tokens) and otherwise moves to the next one (s offsets; the window moves by b - s), so
+    the mean is ((b - s) s + s (b - s)) / b / (3b) = 2 s (b - s) / (3 b^2): at most 1/6, at s = b/2."""
+    return 2 * s * (b - s) / (3 * b * b)
+
+
+def listops_long_probe(a):
+    """What a shift does to each trained listops-long model's answers (methods.md §2.3): per run (its
+    ckpt_last.pt), the dev predictions on the original topology against those under each shift of
+    probe_shifts: the share of sequences whose predicted class changes, and the symmetric KL of the two output
+    distributions (sar.consistency, the quantity SAR trains down). Accuracy moves only when predictions flip
+    between right and wrong; these two say whether the shift changes the model's output at all."""
+    import torch
+    import tasks
+    from model import build_model, read_checkpoint
+    torch.set_num_threads(a.threads)
+    data_dir = os.path.join(a.out, "listops-long-data")
+    tok = tasks.fixed_tokenizer("listops")
+    task = tasks.load_task("listops", data_dir, tok, max_len=1000)
+    batches = data_batches(task.dev["dev"], 32, tok.pad_id)
+    rows, raw = [], {}
+    for name in [n for n in chosen(a, PRE_SPARSE_VARIANTS) if n != "dense"]:   # dense: no boundary to move
+        per_seed = []
+        for s in a.seeds:
+            path = os.path.join(a.out, f"listops-long-{name.replace('+', '_')}-s{s}", "ckpt_last.pt")
+            if not os.path.exists(path):
+                fail(f"{path}: no such checkpoint (run `python experiments.py listops-long` first)")
+            cfg, state, _, _ = read_checkpoint(path)
+            model = build_model(cfg, state, path).eval()
+            shifts = probe_shifts(cfg.block_size)
+            per_seed.append(shift_effects(model, batches, shifts))
+            print(f"{name} seed {s}: {per_seed[-1]}", flush=True)
+        raw[name] = per_seed
+        cells = [f"{fmt([r[sh]['flip'] for r in per_seed])} / {fmt([r[sh]['kl'] for r in per_seed], 1000.0)}"
+                 for sh in map(str, shifts)]
+        rows.append(f"| {name} | {' | '.join(cells)} |")
+    b = cfg.block_size
+    table = [f"| attention | {' | '.join(f's = {sh}' for sh in shifts)} |",
+             "|---" * (len(shifts) + 1) + "|",
+             f"| (window keys replaced, %) | {' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |",
+             *rows]
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Each cell: predictions changed by the shift "
+            f"(% of the {len(task.dev['dev'])} dev sequences) / symmetric KL between the original and the shifted "
+            f"output distributions (x 1000), mean +- std over seeds {a.seeds}, each run's final weights "
+            f"(ckpt_last.pt). The first row is the share of a token's window keys the shift replaces, "
+            f"2 s (b - s) / (3 b^2) with b = {b} (experiments.window_change).")
+    write_results(a, "listops_long_shift_probe", table, note, raw)
+
+
+def data_batches(examples, batch_size, pad_id):
+    """The examples in fixed, longest-first batches on the CPU (as the tasks' evaluation makes them)."""
+    import data
+    return list(data.make_batches(data.longest_first(examples), batch_size, pad_id=pad_id, seed=0, epoch=0,
+                                  shuffle=False))
+
+
+def shift_effects(model, batches, shifts):
+    """{str(s): {"acc", "flip": share of changed argmax, "kl": mean symmetric KL}} of `model` (eval mode) under
+    each shift s against the original topology ("0": the original's accuracy)."""
+    import torch
+    import sar
+    correct = lambda z, bt: (z.argmax(-1) == bt["labels"]).float().sum().item()
+    n = sum(bt["labels"].numel() for bt in batches)
+    with torch.no_grad():
+        base = [model(bt["input_ids"], bt["attention_mask"], bt["token_type_ids"]) for bt in batches]   # [B, C]
+        out = {"0": {"acc": sum(correct(z0, bt) for z0, bt in zip(base, batches)) / n}}
+        for s in shifts:
+            acc = flips = kls = 0.0
+            for bt, z0 in zip(batches, base):
+                ids, mask, pos, types = sar.shift(bt["input_ids"], bt["attention_mask"], s, model.cfg.pad_id,
+                                                  model.position_ids(bt["input_ids"]), bt["token_type_ids"])
+                z = model(ids, mask, types, pos)                                                        # [B, C]
+                acc += correct(z, bt)
+                flips += (z.argmax(-1) != z0.argmax(-1)).float().sum().item()
+                kls += sar.consistency(z0, z).item() * z.size(0)
+            out[str(s)] = {"acc": acc / n, "flip": flips / n, "kl": kls / n}
+    return out
 
 
 def listops_long_candidates(a, data_dir):
@@ -653,8 +743,8 @@ def write_results(a, name, table, note, raw):
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("experiment", choices=["listops", "listops-long", "pretrained-attendout", "attendout-ablation",
-                                           "attendout-probe", "pretrained-sparse"])
+    ap.add_argument("experiment", choices=["listops", "listops-long", "listops-long-probe", "pretrained-attendout",
+                                           "attendout-ablation", "attendout-probe", "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads; OMP_NUM_THREADS too)")
@@ -679,12 +769,13 @@ def main(argv=None):
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
-    pre = a.experiment not in ("listops", "listops-long")
+    pre = a.experiment not in ("listops", "listops-long", "listops-long-probe")
     if a.seeds is None:
         a.seeds = [0, 1, 2, 3, 4] if "attendout" in a.experiment else [0, 1, 2]
     if a.out is None:
         # the ablation shares pretrained-attendout's folder: its standard rows are the same runs
         a.out = (os.path.join("out", "pretrained-attendout") if a.experiment == "attendout-ablation"
+                 else os.path.join("out", "listops-long") if a.experiment == "listops-long-probe"
                  else os.path.join("out", a.experiment) if pre or a.experiment == "listops-long"
                  else os.path.join("out", "experiments"))
     if pre and a.init is None:
@@ -697,7 +788,8 @@ def main(argv=None):
         fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)
-        {"listops": listops, "listops-long": listops_long, "pretrained-attendout": pretrained_attendout,
+        {"listops": listops, "listops-long": listops_long, "listops-long-probe": listops_long_probe,
+         "pretrained-attendout": pretrained_attendout,
          "attendout-ablation": attendout_ablation, "attendout-probe": attendout_probe,
          "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 

@@ -184,6 +184,19 @@ def test_listops_long_grid_end_to_end(tmp_path, capfd, monkeypatch):
     experiments.main(argv)                                                   # resumable: nothing runs again
     assert "$ " not in capfd.readouterr().out
     assert open(tmp_path / "docs" / "results_listops_long.md").read() == table
+    # the probe: the same final weights and shifts as train.py's own scores, dense left out (no boundary)
+    experiments.main(["listops-long-probe", "--out", str(out), "--seeds", "0", "1", "--docs", str(tmp_path / "docs"),
+                      "--variants", "hst", "dense", "hst+sar"])
+    probe = json.load(open(tmp_path / "docs" / "results_listops_long_shift_probe.json"))
+    assert list(probe) == ["hst", "hst+sar"]
+    for name, folder in (("hst", "hst"), ("hst+sar", "hst_sar")):
+        for s, effects in zip((0, 1), probe[name]):
+            dev = json.load(open(out / f"listops-long-{folder}-s{s}" / "final.json"))["dev"]["dev"]
+            assert list(effects) == ["0", "1", "2", "4", "6"]                # b = 8: 1, b/4, b/2, 3b/4
+            assert effects["0"]["acc"] == pytest.approx(dev["acc"])
+            for sh in ("1", "2", "4", "6"):
+                assert effects[sh]["acc"] == pytest.approx(dev["shift"]["by"][sh]["acc"])
+                assert effects[sh]["flip"] >= abs(effects[sh]["acc"] - dev["acc"]) - 1e-9 and effects[sh]["kl"] >= 0
 
 
 def test_listops_long_candidates_write_learning_curves(tmp_path, capfd, monkeypatch):
@@ -260,3 +273,31 @@ def test_variants_pick_rows_and_candidates_by_name(tmp_path, capfd, monkeypatch)
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
     assert sorted(os.listdir(out)) == ["listops-long-data"]                 # nothing ran
+
+
+def test_shift_probe_scores_the_shift_train_py_scores(tmp_path):
+    """experiments.shift_effects on a random HST model (its answers depend on the topology): at every shift its
+    accuracy is the task evaluation's under --eval-shift s (tasks.classification_evaluate, shift_by=s), some
+    predictions change, and no more accuracy moves than predictions change."""
+    import torch
+    import model
+    import tasks
+    from helpers import train_args
+    data.write_listops(str(tmp_path), 8, 48, 2, min_len=20, max_len=60, seed=0, max_depth=3, max_args=4)
+    tok = tasks.fixed_tokenizer("listops")
+    task = tasks.load_task("listops", str(tmp_path), tok, max_len=64)
+    torch.manual_seed(0)
+    net = model.Model(model.Config(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2,
+                                   intermediate_size=64, max_positions=80, pad_id=tok.pad_id, num_labels=10,
+                                   attention="hst", block_size=8, window=1, num_global=1, num_random=1)).eval()
+    with torch.no_grad():                           # std 0.02 -> 0.3: answers that depend on the input (and topology)
+        for p in net.parameters():
+            if p.dim() == 2:
+                p.mul_(15)
+    effects = experiments.shift_effects(net, experiments.data_batches(task.dev["dev"], 16, tok.pad_id), [1, 2, 4, 6])
+    args = train_args("--batch-size", "16")
+    for s in (0, 1, 2, 4, 6):
+        assert effects[str(s)]["acc"] == pytest.approx(
+            tasks.classification_evaluate(net, task, args, torch.device("cpu"), tok, shift_by=s)["dev"]["acc"])
+    assert any(effects[s]["flip"] > 0 and effects[s]["kl"] > 0 for s in ("1", "2", "4", "6"))
+    assert all(effects[s]["flip"] >= abs(effects[s]["acc"] - effects["0"]["acc"]) - 1e-9 for s in ("1", "2", "4", "6"))
