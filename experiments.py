@@ -334,7 +334,7 @@ def listops_long_candidates(a, data_dir):
              f"| time per run (s) | {' | '.join(f'{w:.0f}' for w in walls.values())} |"]
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Dev accuracy (%) on the original topology; "
             f"hst attention, seed {s}; majority-class baseline {100 * f['majority_baseline']:.1f}%. Candidates "
-            f"(layers x hidden): {LONG_CANDIDATES}. Flags: {' '.join(LONG_COMMON + LONG_CURVE_STEPS + LONG_TOPOLOGY + a.extra)}")
+            f"(layers x hidden): {({n: LONG_CANDIDATES[n] for n in curves})}. Flags: {' '.join(LONG_COMMON + LONG_CURVE_STEPS + LONG_TOPOLOGY + a.extra)}")
     write_results(a, "listops_long_candidates", table, note, {"curves": curves, "wall_time_s": walls})
 
 
