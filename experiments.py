@@ -244,6 +244,7 @@ def listops_long_probe(a):
     distributions (sar.consistency, the quantity SAR trains down). Accuracy moves only when predictions flip
     between right and wrong; these two say whether the shift changes the model's output at all."""
     import torch
+    import data
     import tasks
     from model import build_model, read_checkpoint
     torch.set_num_threads(a.threads)
@@ -251,6 +252,10 @@ def listops_long_probe(a):
     tok = tasks.fixed_tokenizer("listops")
     task = tasks.load_task("listops", data_dir, tok, max_len=1000)
     batches = data_batches(task.dev["dev"], 32, tok.pad_id)
+    dev_ops = [outermost_operator(e.ids) for e in data.longest_first(task.dev["dev"])]    # data_batches' order
+    # the shortcut: each outermost operator's most frequent training label (MAX -> 9, MIN -> 0, ...)
+    rule = operator_rule(task.train)
+    rule_acc = statistics.mean(float(rule.get(outermost_operator(e.ids)) == e.label) for e in task.dev["dev"])
     rows, raw = [], {}
     for name in [n for n in chosen(a, PRE_SPARSE_VARIANTS) if n != "dense"]:   # dense: no boundary to move
         per_seed = []
@@ -261,23 +266,57 @@ def listops_long_probe(a):
             cfg, state, _, _ = read_checkpoint(path)
             model = build_model(cfg, state, path).eval()
             shifts = probe_shifts(cfg.block_size)
-            per_seed.append(shift_effects(model, batches, shifts))
+            effects = shift_effects(model, batches, shifts)
+            effects["0"]["by_operator"] = operator_share(effects["0"].pop("pred"), dev_ops)
+            per_seed.append(effects)
             print(f"{name} seed {s}: {per_seed[-1]}", flush=True)
         raw[name] = per_seed
-        cells = [f"{fmt([r[sh]['flip'] for r in per_seed])} / {fmt([r[sh]['kl'] for r in per_seed], 1000.0)}"
+        cells = [f"{fmt([r[sh]['flip'] for r in per_seed])} / {statistics.mean(r[sh]['kl'] for r in per_seed):.1e}"
                  for sh in map(str, shifts)]
-        rows.append(f"| {name} | {' | '.join(cells)} |")
+        rows.append(f"| {name} | {fmt([r['0']['acc'] for r in per_seed])} "
+                    f"| {fmt([r['0']['by_operator'] for r in per_seed])} | {' | '.join(cells)} |")
     b = cfg.block_size
-    table = [f"| attention | {' | '.join(f's = {sh}' for sh in shifts)} |",
-             "|---" * (len(shifts) + 1) + "|",
-             f"| (window keys replaced, %) | {' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |",
+    table = [f"| attention | dev acc (%) | answers fixed by the outermost operator (%) "
+             f"| {' | '.join(f's = {sh}: changed (%) / KL' for sh in shifts)} |",
+             "|---" * (len(shifts) + 3) + "|",
+             f"| (window keys a shift replaces, %) | | | {' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |",
              *rows]
-    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Each cell: predictions changed by the shift "
-            f"(% of the {len(task.dev['dev'])} dev sequences) / symmetric KL between the original and the shifted "
-            f"output distributions (x 1000), mean +- std over seeds {a.seeds}, each run's final weights "
-            f"(ckpt_last.pt). The first row is the share of a token's window keys the shift replaces, "
-            f"2 s (b - s) / (3 b^2) with b = {b} (experiments.window_change).")
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Each run's final weights (ckpt_last.pt), mean "
+            f"+- std over seeds {a.seeds}, the {len(task.dev['dev'])} dev sequences. Answers fixed by the outermost "
+            f"operator: the share of sequences whose prediction is the model's most frequent prediction for that "
+            f"sequence's first operator token (100% = the answer is a function of that one token, right after "
+            f"[CLS]); predicting each operator's most frequent training label scores {100 * rule_acc:.1f}% "
+            f"({', '.join(f'{tok.SYMBOLS[op]} -> {y}' for op, y in sorted(rule.items()))}). Shift cells: predictions changed by "
+            f"the shift (%) / symmetric KL between the original and the shifted output distributions (mean). The "
+            f"first row is the share of a token's window keys the shift replaces, 2 s (b - s) / (3 b^2) with "
+            f"b = {b} (experiments.window_change).")
     write_results(a, "listops_long_shift_probe", table, note, raw)
+
+
+def outermost_operator(ids):
+    """The first operator token id of a ListOps sequence (the parentheses are not tokens, so it sits right after
+    [CLS]); None if there is none."""
+    from vocab import ListOpsTokenizer
+    return next((i for i in ids if ListOpsTokenizer.SYMBOLS[i].startswith("[")), None)
+
+
+def operator_rule(examples):
+    """{outermost operator id: its most frequent label} over `examples` (ListOps' one-token shortcut)."""
+    counts = {}
+    for e in examples:
+        c = counts.setdefault(outermost_operator(e.ids), {})
+        c[e.label] = c.get(e.label, 0) + 1
+    return {op: max(c, key=c.get) for op, c in counts.items()}
+
+
+def operator_share(preds, ops):
+    """The share of predictions equal to the most frequent prediction among sequences of the same outermost
+    operator: 1.0 when the prediction is a function of that one token."""
+    counts = {}
+    for p, op in zip(preds, ops):
+        counts.setdefault(op, {}).setdefault(p, 0)
+        counts[op][p] += 1
+    return sum(max(c.values()) for c in counts.values()) / len(preds)
 
 
 def data_batches(examples, batch_size, pad_id):
@@ -289,14 +328,15 @@ def data_batches(examples, batch_size, pad_id):
 
 def shift_effects(model, batches, shifts):
     """{str(s): {"acc", "flip": share of changed argmax, "kl": mean symmetric KL}} of `model` (eval mode) under
-    each shift s against the original topology ("0": the original's accuracy)."""
+    each shift s against the original topology ("0": the original's accuracy and predictions, batch order)."""
     import torch
     import sar
     correct = lambda z, bt: (z.argmax(-1) == bt["labels"]).float().sum().item()
     n = sum(bt["labels"].numel() for bt in batches)
     with torch.no_grad():
         base = [model(bt["input_ids"], bt["attention_mask"], bt["token_type_ids"]) for bt in batches]   # [B, C]
-        out = {"0": {"acc": sum(correct(z0, bt) for z0, bt in zip(base, batches)) / n}}
+        out = {"0": {"acc": sum(correct(z0, bt) for z0, bt in zip(base, batches)) / n,
+                     "pred": torch.cat([z0.argmax(-1) for z0 in base]).tolist()}}
         for s in shifts:
             acc = flips = kls = 0.0
             for bt, z0 in zip(batches, base):

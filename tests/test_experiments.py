@@ -193,6 +193,7 @@ def test_listops_long_grid_end_to_end(tmp_path, capfd, monkeypatch):
         for s, effects in zip((0, 1), probe[name]):
             dev = json.load(open(out / f"listops-long-{folder}-s{s}" / "final.json"))["dev"]["dev"]
             assert list(effects) == ["0", "1", "2", "4", "6"]                # b = 8: 1, b/4, b/2, 3b/4
+            assert 0 < effects["0"]["by_operator"] <= 1
             assert effects["0"]["acc"] == pytest.approx(dev["acc"])
             for sh in ("1", "2", "4", "6"):
                 assert effects[sh]["acc"] == pytest.approx(dev["shift"]["by"][sh]["acc"])
@@ -301,3 +302,17 @@ def test_shift_probe_scores_the_shift_train_py_scores(tmp_path):
             tasks.classification_evaluate(net, task, args, torch.device("cpu"), tok, shift_by=s)["dev"]["acc"])
     assert any(effects[s]["flip"] > 0 and effects[s]["kl"] > 0 for s in ("1", "2", "4", "6"))
     assert all(effects[s]["flip"] >= abs(effects[s]["acc"] - effects["0"]["acc"]) - 1e-9 for s in ("1", "2", "4", "6"))
+
+
+def test_operator_shortcut_by_hand():
+    """ListOps' one-token shortcut: the outermost operator is the first operator token (right after [CLS]);
+    the rule maps it to its most frequent label; the share counts predictions that are a function of it."""
+    from vocab import ListOpsTokenizer
+    tok = ListOpsTokenizer()
+    ids = tok.encode_plus("( ( [MAX 4 ( [MIN 2 7 ] ) ] )")[0]
+    assert experiments.outermost_operator(ids) == tok.vocab["[MAX"]
+    mx, mn = tok.vocab["[MAX"], tok.vocab["[MIN"]
+    ex = [data.Example([2, op], None, y) for op, y in ((mx, 9), (mx, 9), (mx, 3), (mn, 0))]
+    assert experiments.operator_rule(ex) == {mx: 9, mn: 0}
+    assert experiments.operator_share([9, 9, 0, 1], [mx, mx, mn, mn]) == 0.75
+    assert experiments.operator_share([9, 9, 0, 0], [mx, mx, mn, mn]) == 1.0
