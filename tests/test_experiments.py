@@ -314,5 +314,5 @@ def test_operator_shortcut_by_hand():
     mx, mn = tok.vocab["[MAX"], tok.vocab["[MIN"]
     ex = [data.Example([2, op], None, y) for op, y in ((mx, 9), (mx, 9), (mx, 3), (mn, 0))]
     assert experiments.operator_rule(ex) == {mx: 9, mn: 0}
-    assert experiments.operator_share([9, 9, 0, 1], [mx, mx, mn, mn]) == 0.75
+    assert experiments.operator_share([9, 9, 3, 0, 1, 1], [mx, mx, mx, mn, mn, mn]) == 4 / 6
     assert experiments.operator_share([9, 9, 0, 0], [mx, mx, mn, mn]) == 1.0
