@@ -206,12 +206,13 @@ def listops_long(a):
         diff = lambda col: fmt_diff(raw["hst"][col], cols[col])
         redrawn = (f"{fmt(cols['acc_redraw_mean'])} | {fmt(cols['acc_redraw_worst'])}" if "acc_redraw_mean" in cols
                    else "- | -")                                         # dense: no random blocks to draw
-        rows.append(f"| {name} | {fmt(cols['acc'])} | {fmt(cols['acc_shift_mean'])} | {fmt(cols['acc_shift_worst'])} "
+        per_seed = " / ".join(f"{100 * x:.1f}" for x in cols["acc"])      # shows a run left at the majority class
+        rows.append(f"| {name} | {fmt(cols['acc'])} | {per_seed} | {fmt(cols['acc_shift_mean'])} | {fmt(cols['acc_shift_worst'])} "
                     f"| {redrawn} | {fmt(cols['shift_drop'])} | {diff('acc')} | {diff('acc_shift_worst')} "
                     f"| {diff('shift_drop')} | {statistics.mean(cols['wall_time_s']):.0f} |")
-    table = ["| attention | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) | redrawn, mean (%) "
+    table = ["| attention | dev acc (%) | per seed (%) | shifted, mean over s (%) | shifted, worst s (%) | redrawn, mean (%) "
              "| redrawn, worst (%) | drop under shift (acc - shifted mean, points) | paired diff to hst (points, 95% CI) "
-             "| same, worst s | same, drop under shift | time per run (s) |", "|---|---|---|---|---|---|---|---|---|---|---|",
+             "| same, worst s | same, drop under shift | time per run (s) |", "|---" * 12 + "|",
              *rows]
     f0 = finals["hst"][0]
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Generated ListOps ({' '.join(LONG_DATA)}; "

@@ -178,7 +178,8 @@ def test_listops_long_grid_end_to_end(tmp_path, capfd, monkeypatch):
     assert "acc_redraw_mean" not in raw["dense"] and len(raw["dense"]["acc_by_shift"][0]) == 2   # dense: s = 1 alone
     table = open(tmp_path / "docs" / "results_listops_long.md").read()
     m, h = experiments.paired_ci([100 * x for x in raw["hst"]["acc"]], [100 * x for x in raw["hst+sar"]["acc"]])
-    assert f"| hst+sar | {experiments.fmt(raw['hst+sar']['acc'])} |" in table
+    assert (f"| hst+sar | {experiments.fmt(raw['hst+sar']['acc'])} | "
+            f"{100 * raw['hst+sar']['acc'][0]:.1f} / {100 * raw['hst+sar']['acc'][1]:.1f} |") in table
     assert f"| {m:+.1f} [{m - h:+.1f}, {m + h:+.1f}] |" in table
     assert "| dense |" in table and "| - | - |" in table
     experiments.main(argv)                                                   # resumable: nothing runs again
