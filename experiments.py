@@ -265,10 +265,16 @@ def listops_long_probe(a):
             if not os.path.exists(path):
                 fail(f"{path}: no such checkpoint (run `python experiments.py listops-long` first)")
             cfg, state, _, _ = read_checkpoint(path)
-            model = build_model(cfg, state, path).eval()
             shifts = probe_shifts(cfg.block_size)
-            effects = shift_effects(model, batches, shifts)
-            effects["0"]["by_operator"] = operator_share(effects["0"].pop("pred"), dev_ops)
+            kept = os.path.join(os.path.dirname(path), "shift_probe.json")   # resumable: a run is probed once
+            if os.path.exists(kept) and os.path.getmtime(kept) > os.path.getmtime(path):
+                with open(kept) as f:
+                    effects = json.load(f)
+            else:
+                effects = shift_effects(build_model(cfg, state, path).eval(), batches, shifts)
+                effects["0"]["by_operator"] = operator_share(effects["0"].pop("pred"), dev_ops)
+                with open(kept, "w") as f:
+                    json.dump(effects, f)
             per_seed.append(effects)
             print(f"{name} seed {s}: {per_seed[-1]}", flush=True)
         raw[name] = per_seed

@@ -199,6 +199,19 @@ def test_listops_long_grid_end_to_end(tmp_path, capfd, monkeypatch):
             for sh in ("1", "2", "4", "6"):
                 assert effects[sh]["acc"] == pytest.approx(dev["shift"]["by"][sh]["acc"])
                 assert effects[sh]["flip"] >= abs(effects[sh]["acc"] - dev["acc"]) - 1e-9 and effects[sh]["kl"] >= 0
+    # resumable: a run probed before is read back from its shift_probe.json, unless its checkpoint is newer
+    kept = out / "listops-long-hst-s0" / "shift_probe.json"
+    effects = json.load(open(kept))
+    effects["0"]["by_operator"] = 0.125
+    json.dump(effects, open(kept, "w"))
+    probe_argv = ["listops-long-probe", "--out", str(out), "--seeds", "0", "--docs", str(tmp_path / "docs"),
+                  "--variants", "hst"]
+    experiments.main(probe_argv)
+    assert json.load(open(tmp_path / "docs" / "results_listops_long_shift_probe.json"))["hst"][0]["0"]["by_operator"] == 0.125
+    os.utime(out / "listops-long-hst-s0" / "ckpt_last.pt")                 # retrained: probed again
+    os.utime(kept, (0, 0))
+    experiments.main(probe_argv)
+    assert json.load(open(tmp_path / "docs" / "results_listops_long_shift_probe.json"))["hst"][0]["0"]["by_operator"] != 0.125
 
 
 def test_listops_long_candidates_write_learning_curves(tmp_path, capfd, monkeypatch):
