@@ -278,18 +278,18 @@ def listops_long_probe(a):
             per_seed.append(effects)
             print(f"{name} seed {s}: {per_seed[-1]}", flush=True)
         raw[name] = per_seed
-        cells = [f"{fmt([r[sh]['flip'] for r in per_seed])} / {statistics.mean(r[sh]['kl'] for r in per_seed):.1e}"
-                 for sh in map(str, shifts)]
-        rows.append(f"| {name} | {fmt([r['0']['acc'] for r in per_seed])} "
-                    f"| {fmt([r['0']['by_operator'] for r in per_seed])} | {' | '.join(cells)} |")
+        for s, r in zip(a.seeds, per_seed):                 # one line a run: a run left at the majority class shows
+            cells = [f"{100 * r[sh]['flip']:.1f} / {r[sh]['kl']:.1e}" for sh in map(str, shifts)]
+            rows.append(f"| {name} | {s} | {100 * r['0']['acc']:.1f} | {100 * r['0']['by_operator']:.1f} "
+                        f"| {' | '.join(cells)} |")
     b = cfg.block_size
-    table = [f"| attention | dev acc (%) | answers fixed by the outermost operator (%) "
+    table = [f"| attention | seed | dev acc (%) | answers fixed by the outermost operator (%) "
              f"| {' | '.join(f's = {sh}: changed (%) / KL' for sh in shifts)} |",
-             "|---" * (len(shifts) + 3) + "|",
-             f"| (window keys a shift replaces, %) | | | {' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |",
+             "|---" * (len(shifts) + 4) + "|",
+             f"| (window keys a shift replaces, %) | | | | {' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |",
              *rows]
-    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Each run's final weights (ckpt_last.pt), mean "
-            f"+- std over seeds {a.seeds}, the {len(task.dev['dev'])} dev sequences. Answers fixed by the outermost "
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. Each run's final weights (ckpt_last.pt), the "
+            f"{len(task.dev['dev'])} dev sequences. Answers fixed by the outermost "
             f"operator: the share of sequences whose prediction is the model's most frequent prediction for that "
             f"sequence's first operator token (100% = the answer is a function of that one token, right after "
             f"[CLS]); predicting each operator's most frequent training label scores {100 * rule_acc:.1f}% "
