@@ -41,7 +41,7 @@ How to run it:
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
     python experiments.py listops-long --candidates --threads 1            # -> docs/results_listops_long_candidates.md
     python experiments.py listops-long --threads 1                         # -> docs/results_listops_long.md / .json
-    python experiments.py listops-long-probe --variants hst sparse hst+sar hst+rdrop   # after the grid
+    python experiments.py listops-long-probe                                # after the grid (dense has no shift)
 """
 import signal
 import sys
@@ -50,6 +50,7 @@ if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a t
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 
 import argparse
+import collections
 import hashlib
 import json
 import math
@@ -189,8 +190,9 @@ def listops_long(a):
     if a.candidates:
         return listops_long_candidates(a, data_dir)
     finals, dirs = {}, {}
+    names = chosen(a, PRE_SPARSE_VARIANTS)                         # the same five rows, hst (baseline) first
     for s in a.seeds:
-        for name in chosen(a, PRE_SPARSE_VARIANTS):                   # the same five rows, hst (baseline) first
+        for name in names:
             extra = PRE_SPARSE_VARIANTS[name]
             out = os.path.join(a.out, f"listops-long-{name.replace('+', '_')}-s{s}")
             cmd = [*LONG_COMMON, *LONG_STEPS, *LONG_MODEL, *LONG_TOPOLOGY, *LONG_PERTURB, *extra, "--data", data_dir, *a.extra,
@@ -245,7 +247,6 @@ def listops_long_probe(a):
     distributions (sar.consistency, the quantity SAR trains down). Accuracy moves only when predictions flip
     between right and wrong; these two say whether the shift changes the model's output at all."""
     import torch
-    import data
     import tasks
     from model import build_model, read_checkpoint
     torch.set_num_threads(a.threads)
@@ -253,7 +254,7 @@ def listops_long_probe(a):
     tok = tasks.fixed_tokenizer("listops")
     task = tasks.load_task("listops", data_dir, tok, max_len=1000)
     batches = data_batches(task.dev["dev"], 32, tok.pad_id)
-    dev_ops = [outermost_operator(e.ids) for e in data.longest_first(task.dev["dev"])]    # data_batches' order
+    dev_ops = [outermost_operator(row) for bt in batches for row in bt["input_ids"].tolist()]   # batch order
     # the shortcut: each outermost operator's most frequent training label (MAX -> 9, MIN -> 0, ...)
     rule = operator_rule(task.train)
     rule_acc = statistics.mean(float(rule.get(outermost_operator(e.ids)) == e.label) for e in task.dev["dev"])
@@ -307,23 +308,24 @@ def outermost_operator(ids):
     return next((i for i in ids if ListOpsTokenizer.SYMBOLS[i].startswith("[")), None)
 
 
+def counts_by(keys, values):
+    """{key: Counter of the values that come with it}."""
+    counts = {}
+    for k, v in zip(keys, values):
+        counts.setdefault(k, collections.Counter())[v] += 1
+    return counts
+
+
 def operator_rule(examples):
     """{outermost operator id: its most frequent label} over `examples` (ListOps' one-token shortcut)."""
-    counts = {}
-    for e in examples:
-        c = counts.setdefault(outermost_operator(e.ids), {})
-        c[e.label] = c.get(e.label, 0) + 1
-    return {op: max(c, key=c.get) for op, c in counts.items()}
+    counts = counts_by((outermost_operator(e.ids) for e in examples), (e.label for e in examples))
+    return {op: c.most_common(1)[0][0] for op, c in counts.items()}
 
 
 def operator_share(preds, ops):
     """The share of predictions equal to the most frequent prediction among sequences of the same outermost
     operator: 1.0 when the prediction is a function of that one token."""
-    counts = {}
-    for p, op in zip(preds, ops):
-        counts.setdefault(op, {}).setdefault(p, 0)
-        counts[op][p] += 1
-    return sum(max(c.values()) for c in counts.values()) / len(preds)
+    return sum(c.most_common(1)[0][1] for c in counts_by(ops, preds).values()) / len(preds)
 
 
 def data_batches(examples, batch_size, pad_id):
@@ -511,11 +513,12 @@ def pretrained_runs(a, variants, extra_common):
     order, and the run folder of each. Seed-major: every row's seed 0, then every row's seed 1, ..., so a grid
     stopped early has whole rows at fewer seeds (rerun with --seeds 0 1 2 for their table)."""
     finals, dirs = {}, {}
+    names = chosen(a, variants)
     for setting in a.settings:
         for ds in a.datasets:
             flags, epochs = setting_flags(a, ds, setting)
             for s in a.seeds:
-                for name in chosen(a, variants):
+                for name in names:
                     extra = variants[name]
                     out = os.path.join(a.out, f"{ds}-{setting}-{name.replace('+', '_')}-s{s}")
                     ao_out = os.path.join(a.out, f"{ds}-{setting}-attendout-s{s}")
