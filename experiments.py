@@ -412,7 +412,8 @@ PRE_ATTENDOUT_VARIANTS = {  # baseline first; "scheduled" replays the attendout 
 }
 # The AttendOut ablation (methods.md §3.4): which part of the G-Net moves the result. Every row but the
 # baseline is an AttendOut run with its mask form given explicitly, so the table means the same whatever
-# Config.gnet_mask's default is; the last three rows change one thing each against the logit form.
+# Config.gnet_mask's default is; frozen, cooperative and layer_budget change one thing each against the logit
+# form (the default while the grid was planned), and the two capped_ rows change the same against capped.
 ABL = ["--attn-dropout", "attendout", "--gnet-mask"]
 ABLATION_VARIANTS = {
     "standard": ["--attn-dropout", "standard"],
@@ -423,6 +424,8 @@ ABLATION_VARIANTS = {
     "frozen": [*ABL, "logit", "--gnet-lr", "0"],                 # the same path, no learning: pi = rho everywhere
     "cooperative": [*ABL, "logit", "--gnet-cooperative"],        # no gradient reversal
     "layer_budget": [*ABL, "logit", "--gnet-budget-scope", "layer"],   # rho in every layer
+    "capped_cooperative": [*ABL, "capped", "--gnet-cooperative"],
+    "capped_layer_budget": [*ABL, "capped", "--gnet-budget-scope", "layer"],
 }
 # ERNIE-Sparse: b = 8 gives 3-4 blocks for a typical sentence (up to 8 at max length 64); window 1 and one
 # global token ([CLS]); no random blocks, so a block outside the window is seen only through the global token.
