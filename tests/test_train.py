@@ -203,6 +203,17 @@ def check_eval_shift_all(argv, out, capfd, shifts, metric, worst=min):
     return finals["all"]
 
 
+def test_opening_line_says_when_attention_dropout_keeps_the_sparse_kernel_off_its_fused_path(tmp_path, capfd):
+    folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=16, n_dev=8)
+    for attention, dropout, slow in [("sparse", "standard", True), ("hst", "attendout", True),
+                                     ("sparse", "none", False), ("dense", "standard", False)]:
+        code, stdout, err = run_main(tsv_args(folder, tmp_path / attention / dropout) + [
+            "--max-steps", "1", "--batch-size", "8", "--attention", attention, "--block-size", "4",
+            "--attn-dropout", dropout], capfd)
+        assert code == 0, err
+        assert ("gather path" in stdout.splitlines()[0]) == slow, stdout.splitlines()[0]
+
+
 def test_eval_shift_all_on_tsv_listops_and_mlm(listops_dir, tmp_path, capfd):
     folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=40, n_dev=20)
     tsv = tsv_args(folder, tmp_path / "x") + ["--max-steps", "2", "--batch-size", "8", "--attention", "hst",
