@@ -15,10 +15,15 @@ baseline row with a 95% confidence interval over seeds (t distribution):
   pretrained-attendout   none / standard / attendout / scheduled / layerdrop / attn_layerdrop on SST-2 and
                          MR, low-resource (a fixed subsample of 1,000 training examples) and full size.
   attendout-ablation     which part of AttendOut moves the result (methods.md §3.4): standard, the default
-                         G-Net, frozen, each --gnet-mask form, cooperative, per-layer budget; low-resource
-                         SST-2 and MR, 5 seeds, each row's final per-layer rates and the mask's tail.
+                         G-Net, frozen, each --gnet-mask form, cooperative, per-layer budget (on logit and on
+                         capped); low-resource SST-2 and MR, 5 seeds, each row's final per-layer rates and the
+                         mask's tail.
   attendout-probe        what each mask form does to a pretrained encoder's attention rows (attention sinks)
                          and to its [CLS] output, in one training-mode forward (docs/probe_attendout_*.md).
+  attendout-trained-probe  what a TRAINED G-Net does to them (--init: an AttendOut run's ckpt_last.pt): per
+                         layer its drop rate, how often each row's largest key is dropped, the noise it adds
+                         to a row against standard dropout's, the row sums; [CLS] output change against
+                         standard dropout on the same weights (docs/probe_attendout_trained_*.md).
   pretrained-sparse      dense / sparse / hst / hst+sar / hst+rdrop, dev accuracy on the original topology and
                          under every shift s = 1 .. b-1 of the block boundaries (mean and worst case over s),
                          scored by each run itself on its final weights (train.py --eval-shift all).
@@ -37,6 +42,7 @@ How to run it:
     python experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --threads 2
     python experiments.py attendout-ablation --init ckpt/minilm.pt --data-root DATA --threads 1
     python experiments.py attendout-probe --init ckpt/minilm.pt --data-root DATA --datasets sst2
+    python experiments.py attendout-trained-probe --init RUN/ckpt_last.pt --data-root DATA --datasets mr
     python experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA --threads 2
     python experiments.py pretrained-sparse --init ckpt.pt --dry-run       # print the commands only
     python experiments.py listops-long --candidates --threads 1            # -> docs/results_listops_long_candidates.md
@@ -598,15 +604,9 @@ def attendout_probe(a):
     forward (attention dropout only, G-Net at its start: pi = p0 everywhere) moves the [CLS] output from the
     eval output, mean over 10 draws."""
     import torch
-    import data
-    from model import apply_overrides, build_model, read_checkpoint
-    torch.set_num_threads(a.threads)
-    cfg, state, tok_files, _ = read_checkpoint(a.init)
-    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
-    task = data.load_task("tsv", os.path.join(a.data_root, a.datasets[0]), tok, max_len=64, text_col=1, label_col=0)
-    batch = data.collate(task.dev["dev"][:32], tok.pad_id)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    quiet = apply_overrides(cfg, {"hidden_dropout_p": 0.0})
+    from model import apply_overrides, build_model
+    quiet, state, ids, mask = probe_inputs(a, 32)
+    cfg = quiet
     plain = build_model(quiet, state, a.init).eval()
     qkv = []                                                    # each layer's fused q|k|v projection output
     hooks = [layer.attn.qkv.register_forward_hook(lambda mod, inp, out: qkv.append(out)) for layer in plain.layers]
@@ -647,6 +647,104 @@ def attendout_probe(a):
     os.makedirs(a.docs, exist_ok=True)
     with open(os.path.join(a.docs, f"probe_attendout_{a.datasets[0]}.md"), "w") as f:
         f.write(text)
+
+
+def probe_inputs(a, n):
+    """The probes' inputs: the checkpoint --init (config with hidden dropout off, weights) and the first n dev
+    sentences of the first --datasets set as one batch (input ids, attention mask)."""
+    import torch
+    import data
+    from model import apply_overrides, read_checkpoint
+    torch.set_num_threads(a.threads)
+    cfg, state, tok_files, _ = read_checkpoint(a.init)
+    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
+    task = data.load_task("tsv", os.path.join(a.data_root, a.datasets[0]), tok, max_len=64, text_col=1, label_col=0)
+    batch = data.collate(task.dev["dev"][:n], tok.pad_id)
+    return apply_overrides(cfg, {"hidden_dropout_p": 0.0}), state, batch["input_ids"], batch["attention_mask"]
+
+
+TRAINED_PROBE_DRAWS = 20    # training-mode forwards (mask draws) per model in attendout-trained-probe
+
+
+def attendout_trained_probe(a):
+    """What a trained G-Net does to the attention rows (methods.md §3.4): --init is the ckpt_last.pt of an
+    AttendOut run (dense attention). On the first 64 dev sentences, TRAINED_PROBE_DRAWS training-mode forwards
+    (hidden dropout off), per layer, over the real (query, key) pairs with A > 0:
+        drop rate        share of pairs with A' = 0 (the mean pi the budget holds)
+        largest key      how often each row's largest key is dropped (standard dropout: its rate, like any key)
+        noise            E sum_j (A'_ij - A_ij)^2 over rows, against standard dropout at p0 on the same A:
+                         sum_j A_ij^2 p0 / (1 - p0) (the variance inverted dropout adds to a row)
+        row sum          mean and largest sum_j A'_ij (1 under standard dropout on average)
+    and how far the [CLS] output moves from the eval output, under the trained G-Net and under standard
+    dropout at p0 on the same weights (relative L2, mean over draws)."""
+    import torch
+    import attendout
+    from model import apply_overrides, build_model
+    quiet, state, ids, mask = probe_inputs(a, 64)
+    if quiet.attn_dropout != "attendout" or quiet.attention != "dense":
+        fail(f"--init {a.init}: attendout-trained-probe needs the checkpoint of a dense AttendOut run "
+             f"(this one: {quiet.attention} attention, --attn-dropout {quiet.attn_dropout})")
+    p0 = quiet.attn_dropout_p
+    trained = build_model(quiet, state, a.init)
+    seen = []                                            # (layer, A, A') of every G-Net mask in one forward
+
+    def recording(l, mod):
+        hook = mod.hook
+        def wrapped(x):
+            drop_fn = hook(x)
+            def record(A, valid, pair_scores):
+                out = drop_fn(A, valid, pair_scores)
+                seen.append((l, A.detach(), out.detach(), valid))
+                return out
+            return record
+        return wrapped
+    for l, mod in enumerate(attendout.attendout_modules(trained)):
+        mod.hook = recording(l, mod)                     # the instance's hook: the model's code path is unchanged
+    standard = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)
+    with torch.no_grad():
+        h_eval = trained.eval().encode(ids, mask)[:, 0]                                  # [B, d]
+        trained.train(), standard.train()
+        L = quiet.num_layers
+        sums = {k: [0.0] * L for k in ("pairs", "dropped", "rows", "top", "top_dropped", "noise", "noise_std", "rowsum")}
+        row_max = [0.0] * L
+        change = {"AttendOut (trained G-Net)": [], f"standard dropout {p0:g}": []}
+        for draw in range(TRAINED_PROBE_DRAWS):
+            torch.manual_seed(draw)
+            seen.clear()
+            h = trained.encode(ids, mask)[:, 0]
+            change["AttendOut (trained G-Net)"].append(((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
+            h = standard.encode(ids, mask)[:, 0]
+            change[f"standard dropout {p0:g}"].append(((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
+            for l, A, out, valid in seen:                # A, A' [B, H, L, L]; valid [B, 1, L, L]
+                pair = valid.expand_as(A) & (A > 0)
+                row = pair.any(-1)                                                   # [B, H, L] real query rows
+                top = A.argmax(-1, keepdim=True)                                     # [B, H, L, 1]
+                sums["pairs"][l] += pair.sum().item()
+                sums["dropped"][l] += (pair & (out == 0)).sum().item()
+                sums["rows"][l] += row.sum().item()
+                sums["top_dropped"][l] += (out.gather(-1, top).squeeze(-1) == 0)[row].sum().item()
+                sums["noise"][l] += ((out - A) ** 2).sum(-1)[row].sum().item()           # sum_j (A' - A)^2
+                sums["noise_std"][l] += (A ** 2).sum(-1)[row].sum().item() * p0 / (1 - p0)
+                rs = out.sum(-1)[row]
+                sums["rowsum"][l] += rs.sum().item()
+                row_max[l] = max(row_max[l], rs.max().item())
+    lines = ["| layer | drop rate | largest key dropped | noise / standard's | mean row sum | largest row sum |",
+             "|---|---|---|---|---|---|"]
+    for l in range(L):
+        c = {k: v[l] for k, v in sums.items()}
+        lines.append(f"| {l + 1} | {c['dropped'] / c['pairs']:.3f} | {c['top_dropped'] / c['rows']:.3f} "
+                     f"| {c['noise'] / c['noise_std']:.2f} | {c['rowsum'] / c['rows']:.3f} | {row_max[l]:.2f} |")
+    lines += ["", "| attention dropout | [CLS] output change against eval (relative L2, mean of draws) |", "|---|---|"]
+    lines += [f"| {name} | {statistics.mean(v):.3f} |" for name, v in change.items()]
+    note = (f"Command: `python experiments.py {' '.join(a.argv)}`. {a.init} ({quiet.gnet_mask} mask), the first "
+            f"{ids.size(0)} dev sentences of {a.datasets[0]}, hidden dropout off, {TRAINED_PROBE_DRAWS} draws; "
+            f"noise against standard dropout at p0 = {p0:g} on the same attention probabilities.")
+    text = "\n".join(lines) + "\n\n" + note + "\n"
+    print(text)
+    os.makedirs(a.docs, exist_ok=True)
+    with open(os.path.join(a.docs, f"probe_attendout_trained_{a.datasets[0]}.md"), "w") as f:
+        f.write(text)
+    return sums
 
 
 def read_jsonl(path):
@@ -797,7 +895,8 @@ def write_results(a, name, table, note, raw):
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=["listops", "listops-long", "listops-long-probe", "pretrained-attendout",
-                                           "attendout-ablation", "attendout-probe", "pretrained-sparse"])
+                                           "attendout-ablation", "attendout-probe", "attendout-trained-probe",
+                                           "pretrained-sparse"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0 1 2 3 4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads; OMP_NUM_THREADS too)")
@@ -841,10 +940,11 @@ def main(argv=None):
         fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)
-        {"listops": listops, "listops-long": listops_long, "listops-long-probe": listops_long_probe,
-         "pretrained-attendout": pretrained_attendout,
-         "attendout-ablation": attendout_ablation, "attendout-probe": attendout_probe,
-         "pretrained-sparse": pretrained_sparse}[a.experiment](a)
+        return {"listops": listops, "listops-long": listops_long, "listops-long-probe": listops_long_probe,
+                "pretrained-attendout": pretrained_attendout,
+                "attendout-ablation": attendout_ablation, "attendout-probe": attendout_probe,
+                "attendout-trained-probe": attendout_trained_probe,
+                "pretrained-sparse": pretrained_sparse}[a.experiment](a)
 
 
 if __name__ == "__main__":

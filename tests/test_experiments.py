@@ -265,6 +265,32 @@ def test_attendout_probe_writes_its_table(tiny_grid, capfd):
     assert "| 1 | " in text                                                  # the one layer's attention rows
 
 
+def test_attendout_trained_probe_sees_standard_dropout_in_a_uniform_g_net(tiny_grid, capfd):
+    """A G-Net that never learned (--gnet-lr 0: pi = p0 on every pair) under the capped form is standard dropout
+    at p0, so the probe must measure it as such: drop rate p0 on all keys and on each row's largest key alike,
+    the noise of standard dropout (ratio 1), rows summing to 1 on average, at most 1 / (1 - p0) each."""
+    import train
+    run = tiny_grid / "uniform-gnet"
+    train.main(["--task", "tsv", "--data", str(tiny_grid / "data" / "sst2"), "--text-col", "1", "--label-col", "0",
+                "--init", str(tiny_grid / "init" / "ckpt_last.pt"), "--max-steps", "1", "--batch-size", "16",
+                "--attn-dropout", "attendout", "--gnet-mask", "capped", "--gnet-lr", "0", "--out", str(run)])
+    capfd.readouterr()
+    sums = experiments.main(["attendout-trained-probe", "--init", str(run / "ckpt_last.pt"), "--data-root",
+                             str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs")])
+    text = open(tiny_grid / "docs" / "probe_attendout_trained_sst2.md").read()
+    row = next(line for line in text.splitlines() if line.startswith("| 1 | ")).split(" | ")
+    rate, top, noise, mean_sum, max_sum = (float(x.strip(" |")) for x in row[1:])
+    assert sum(sums["pairs"]) > 20_000                           # enough pairs for the tolerances below
+    assert rate == pytest.approx(0.1, abs=0.01) and top == pytest.approx(0.1, abs=0.02)
+    assert noise == pytest.approx(1.0, abs=0.06)
+    assert mean_sum == pytest.approx(1.0, abs=0.01) and max_sum <= 1 / 0.9 + 1e-3
+    assert "| AttendOut (trained G-Net) | " in text and "| standard dropout 0.1 | " in text
+    with pytest.raises(SystemExit):                              # a checkpoint without a G-Net: one error line
+        experiments.main(["attendout-trained-probe", "--init", str(tiny_grid / "init" / "ckpt_last.pt"),
+                          "--data-root", str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs")])
+    assert "needs the checkpoint of a dense AttendOut run" in capfd.readouterr().err
+
+
 def test_variants_pick_rows_and_candidates_by_name(tmp_path, capfd, monkeypatch):
     """--variants: only the named rows (listops-long --candidates: only the named model sizes), in the table's
     order; a name that is no row, or a grid without its baseline row, is one error line before anything runs."""
