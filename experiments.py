@@ -433,6 +433,13 @@ ABLATION_VARIANTS = {
     "capped_cooperative": [*ABL, "capped", "--gnet-cooperative"],
     "capped_layer_budget": [*ABL, "capped", "--gnet-budget-scope", "layer"],
 }
+# The contrasts the ablation is read by (row B against row A, same seed): what one change does on its own.
+ABLATION_CONTRASTS = [("capped", "inverted"),              # the cap alone (same rescaling form)
+                      ("logit", "capped"),                 # the two bounded forms
+                      ("frozen", "logit"),                 # the G-Net's learning under logit
+                      ("logit", "cooperative"), ("logit", "layer_budget"),
+                      ("capped", "capped_cooperative"),    # gradient reversal under the default form
+                      ("capped", "capped_layer_budget")]   # the learned per-layer rates under the default form
 # ERNIE-Sparse: b = 8 gives 3-4 blocks for a typical sentence (up to 8 at max length 64); window 1 and one
 # global token ([CLS]); no random blocks, so a block outside the window is seen only through the global token.
 PRE_SPARSE_TOPOLOGY = ["--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0"]
@@ -593,6 +600,10 @@ def attendout_ablation(a):
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | row | dev acc (%) | paired diff to standard, 95% CI (points) | final drop rate, layers 1..L "
              "| largest pi | largest row sum | time per run (s) |", "|---|---|---|---|---|---|---|---|", *rows]
+    contrasts = [f"| {key.split('-')[0]} | {row} - {base_row} | {fmt_diff(r[base_row]['acc'], r[row]['acc'])} |"
+                 for key, r in raw.items() for base_row, row in ABLATION_CONTRASTS if base_row in r and row in r]
+    if contrasts:                                    # rows against each other, paired by seed
+        table += ["", "| data | contrast (row - row) | paired diff, 95% CI (points) |", "|---|---|---|", *contrasts]
     write_results(a, "attendout_ablation" + settings_suffix(a), table, pretrained_note(a), raw)
     plot_ablation_rates(a, raw)
 

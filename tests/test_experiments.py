@@ -254,6 +254,12 @@ def test_attendout_ablation_rows_carry_their_own_mask_and_tail(tiny_grid, capfd,
         assert raw[row]["final_rates"] == pytest.approx(final)
         assert f"| sst2 | {row}" in table
     assert "max_pi" not in raw["standard"] and "| sst2 | standard | " in table
+    # the contrasts between rows, paired by seed: capped - logit, the one whose two rows ran (row B - row A)
+    d = [100 * (c - l) for l, c in zip(raw["logit"]["acc"], raw["capped"]["acc"])]
+    mean, half = sum(d) / 2, 12.706 * abs(d[0] - d[1]) / 2 ** 0.5 / 2 ** 0.5    # sd of two = |d0 - d1| / sqrt 2
+    assert f"| sst2 | capped - logit | {mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}] |" in table
+    contrasts = [line for line in table.splitlines() if line.startswith("| sst2 | ") and " - " in line.split(" | ")[1]]
+    assert len(contrasts) == 1                                  # a contrast needs both of its rows in the grid
 
 
 def test_attendout_probe_writes_its_table(tiny_grid, capfd):
