@@ -416,6 +416,8 @@ PRE_ATTENDOUT_VARIANTS = {  # baseline first; "scheduled" replays the attendout 
     "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
     "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
 }
+# what AttendOut's choice of pairs costs or buys beyond its per-layer rates (scheduled replays those rates)
+PRE_ATTENDOUT_CONTRASTS = [("scheduled", "attendout")]
 # The AttendOut ablation (methods.md §3.4): which part of the G-Net moves the result. Every row but the
 # baseline is an AttendOut run with its mask form given explicitly, so the table means the same whatever
 # Config.gnet_mask's default is; frozen, cooperative and layer_budget change one thing each against the logit
@@ -561,10 +563,18 @@ def pretrained_attendout(a):
         rows.append(f"| {ds} | {setting} | {name} | {fmt(acc)} | {fmt_diff(base, acc)} "
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) | time per run (s) |",
-             "|---|---|---|---|---|---|", *rows]
+             "|---|---|---|---|---|---|", *rows, *contrast_table(raw, PRE_ATTENDOUT_CONTRASTS)]
     write_results(a, "pretrained_attendout" + settings_suffix(a), table, pretrained_note(a), raw)
     if a.variants is None or "attendout" in a.variants:
         plot_pretrained_droprates(a)
+
+
+def contrast_table(raw, contrasts, accs=lambda r: r):
+    """Rows against each other, paired by seed: '| DS-SETTING | B - A | diff [CI] |' for each (A, B) of `contrasts`
+    whose two rows are in the grid (raw: {"DS-SETTING": {row: entry}}, accs(entry): the seeds' accuracies)."""
+    lines = [f"| {key} | {row} - {base} | {fmt_diff(accs(r[base]), accs(r[row]))} |"
+             for key, r in raw.items() for base, row in contrasts if base in r and row in r]
+    return ["", "| data-setting | contrast (row - row) | paired diff, 95% CI (points) |", "|---|---|---|", *lines] if lines else []
 
 
 def attendout_ablation(a):
@@ -600,10 +610,7 @@ def attendout_ablation(a):
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | row | dev acc (%) | paired diff to standard, 95% CI (points) | final drop rate, layers 1..L "
              "| largest pi | largest row sum | time per run (s) |", "|---|---|---|---|---|---|---|---|", *rows]
-    contrasts = [f"| {key.split('-')[0]} | {row} - {base_row} | {fmt_diff(r[base_row]['acc'], r[row]['acc'])} |"
-                 for key, r in raw.items() for base_row, row in ABLATION_CONTRASTS if base_row in r and row in r]
-    if contrasts:                                    # rows against each other, paired by seed
-        table += ["", "| data | contrast (row - row) | paired diff, 95% CI (points) |", "|---|---|---|", *contrasts]
+    table += contrast_table(raw, ABLATION_CONTRASTS, lambda r: r["acc"])
     write_results(a, "attendout_ablation" + settings_suffix(a), table, pretrained_note(a), raw)
     plot_ablation_rates(a, raw)
 

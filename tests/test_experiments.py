@@ -124,6 +124,8 @@ def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_grid, capfd, 
     for v in ("standard", "attendout", "scheduled"):       # each row lists its seeds' accuracies, in seed order
         assert raw[v] == [finals[f"sst2-lowres-{v}-s{s}"]["dev"]["dev"]["acc"] for s in (0, 1)]
     table = open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.md").read()
+    assert f"| sst2-lowres | attendout - scheduled | {experiments.fmt_diff(raw['scheduled'], raw['attendout'])} |" in table
+    table = open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.md").read()
     m, h = experiments.paired_ci([100 * x for x in raw["standard"]], [100 * x for x in raw["attendout"]])
     assert "| sst2 | lowres | standard |" in table and "(baseline)" in table
     assert f"| {m:+.1f} [{m - h:+.1f}, {m + h:+.1f}] |" in table
@@ -257,8 +259,8 @@ def test_attendout_ablation_rows_carry_their_own_mask_and_tail(tiny_grid, capfd,
     # the contrasts between rows, paired by seed: capped - logit, the one whose two rows ran (row B - row A)
     d = [100 * (c - l) for l, c in zip(raw["logit"]["acc"], raw["capped"]["acc"])]
     mean, half = sum(d) / 2, 12.706 * abs(d[0] - d[1]) / 2 ** 0.5 / 2 ** 0.5    # sd of two = |d0 - d1| / sqrt 2
-    assert f"| sst2 | capped - logit | {mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}] |" in table
-    contrasts = [line for line in table.splitlines() if line.startswith("| sst2 | ") and " - " in line.split(" | ")[1]]
+    assert f"| sst2-lowres | capped - logit | {mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}] |" in table
+    contrasts = [line for line in table.splitlines() if line.startswith("| sst2-lowres | ")]
     assert len(contrasts) == 1                                  # a contrast needs both of its rows in the grid
 
 
