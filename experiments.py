@@ -688,13 +688,15 @@ def attendout_trained_probe(a):
     """What a trained G-Net does to the attention rows (methods.md §3.4): --init is the ckpt_last.pt of an
     AttendOut run (dense attention). On the first 64 dev sentences, TRAINED_PROBE_DRAWS training-mode forwards
     (hidden dropout off), per layer, over the real (query, key) pairs with A > 0:
-        drop rate        share of pairs with A' = 0 (the mean pi the budget holds)
-        largest key      how often each row's largest key is dropped (standard dropout: its rate, like any key)
-        noise            E sum_j (A'_ij - A_ij)^2 over rows, against standard dropout at p0 on the same A:
-                         sum_j A_ij^2 p0 / (1 - p0) (the variance inverted dropout adds to a row)
-        row sum          mean and largest sum_j A'_ij (1 under standard dropout on average)
-    and how far the [CLS] output moves from the eval output, under the trained G-Net and under standard
-    dropout at p0 on the same weights (relative L2, mean over draws)."""
+        drop rate        r_l, the share of pairs with A' = 0 (the mean pi the budget holds)
+        largest key      how often each row's largest key is dropped (plain dropout: r_l, like any key)
+        noise            E sum_j (A'_ij - A_ij)^2 over rows, against plain inverted dropout on the same A, whose
+                         noise is sum_j A_ij^2 p / (1 - p): at p = p0 (standard dropout), and at p = r_l (the
+                         G-Net's own layer rate: what its choice of pairs adds beyond the rate)
+        row sum          mean and largest sum_j A'_ij (1 under plain dropout on average)
+    and how far the [CLS] output moves from the eval output (relative L2, mean over draws) under the trained
+    G-Net, under plain dropout at its layer rates r_l (what scheduled dropout does), and under standard dropout
+    at p0, all on the same weights."""
     import torch
     import attendout
     from model import apply_overrides, build_model
@@ -702,9 +704,9 @@ def attendout_trained_probe(a):
     if quiet.attn_dropout != "attendout" or quiet.attention != "dense":
         fail(f"--init {a.init}: attendout-trained-probe needs the checkpoint of a dense AttendOut run "
              f"(this one: {quiet.attention} attention, --attn-dropout {quiet.attn_dropout})")
-    p0 = quiet.attn_dropout_p
+    p0, L = quiet.attn_dropout_p, quiet.num_layers
     trained = build_model(quiet, state, a.init)
-    seen = []                                            # (layer, A, A') of every G-Net mask in one forward
+    seen = []                                            # (layer, A, A', valid) of every G-Net mask in one forward
 
     def recording(l, mod):
         hook = mod.hook
@@ -718,22 +720,21 @@ def attendout_trained_probe(a):
         return wrapped
     for l, mod in enumerate(attendout.attendout_modules(trained)):
         mod.hook = recording(l, mod)                     # the instance's hook: the model's code path is unchanged
-    standard = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)
     with torch.no_grad():
         h_eval = trained.eval().encode(ids, mask)[:, 0]                                  # [B, d]
-        trained.train(), standard.train()
-        L = quiet.num_layers
-        sums = {k: [0.0] * L for k in ("pairs", "dropped", "rows", "top", "top_dropped", "noise", "noise_std", "rowsum")}
+
+        def moved(m):                                    # per draw: [CLS] change of one training-mode forward,
+            for draw in range(TRAINED_PROBE_DRAWS):      # and the G-Net masks it recorded
+                torch.manual_seed(draw)
+                seen.clear()
+                h = m.train().encode(ids, mask)[:, 0]
+                yield ((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item(), list(seen)
+        sums = {k: [0.0] * L for k in ("pairs", "dropped", "rows", "top_dropped", "noise", "A2", "rowsum")}
         row_max = [0.0] * L
-        change = {"AttendOut (trained G-Net)": [], f"standard dropout {p0:g}": []}
-        for draw in range(TRAINED_PROBE_DRAWS):
-            torch.manual_seed(draw)
-            seen.clear()
-            h = trained.encode(ids, mask)[:, 0]
-            change["AttendOut (trained G-Net)"].append(((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
-            h = standard.encode(ids, mask)[:, 0]
-            change[f"standard dropout {p0:g}"].append(((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
-            for l, A, out, valid in seen:                # A, A' [B, H, L, L]; valid [B, 1, L, L]
+        change = {"AttendOut (trained G-Net)": []}
+        for c, masks in moved(trained):
+            change["AttendOut (trained G-Net)"].append(c)
+            for l, A, out, valid in masks:               # A, A' [B, H, L, L]; valid [B, 1, L, L]
                 pair = valid.expand_as(A) & (A > 0)
                 row = pair.any(-1)                                                   # [B, H, L] real query rows
                 top = A.argmax(-1, keepdim=True)                                     # [B, H, L, 1]
@@ -742,21 +743,31 @@ def attendout_trained_probe(a):
                 sums["rows"][l] += row.sum().item()
                 sums["top_dropped"][l] += (out.gather(-1, top).squeeze(-1) == 0)[row].sum().item()
                 sums["noise"][l] += ((out - A) ** 2).sum(-1)[row].sum().item()           # sum_j (A' - A)^2
-                sums["noise_std"][l] += (A ** 2).sum(-1)[row].sum().item() * p0 / (1 - p0)
+                sums["A2"][l] += (A ** 2).sum(-1)[row].sum().item()                      # sum_j A^2
                 rs = out.sum(-1)[row]
                 sums["rowsum"][l] += rs.sum().item()
                 row_max[l] = max(row_max[l], rs.max().item())
-    lines = ["| layer | drop rate | largest key dropped | noise / standard's | mean row sum | largest row sum |",
-             "|---|---|---|---|---|---|"]
+        rates = [sums["dropped"][l] / sums["pairs"][l] for l in range(L)]
+        at_rates = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)
+        for layer, r in zip(at_rates.layers, rates):
+            layer.attn.drop.p = r                        # plain Bernoulli dropout at the G-Net's layer rate
+        change["plain dropout at the G-Net's layer rates"] = [c for c, _ in moved(at_rates)]
+        standard = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)
+        change[f"standard dropout {p0:g}"] = [c for c, _ in moved(standard)]
+    inverted_noise = lambda l, p: sums["A2"][l] * p / (1 - p)        # plain inverted dropout's noise on the same A
+    lines = ["| layer | drop rate | largest key dropped | noise / standard's | noise / plain at the layer's rate "
+             "| mean row sum | largest row sum |", "|---|---|---|---|---|---|---|"]
     for l in range(L):
         c = {k: v[l] for k, v in sums.items()}
-        lines.append(f"| {l + 1} | {c['dropped'] / c['pairs']:.3f} | {c['top_dropped'] / c['rows']:.3f} "
-                     f"| {c['noise'] / c['noise_std']:.2f} | {c['rowsum'] / c['rows']:.3f} | {row_max[l]:.2f} |")
+        lines.append(f"| {l + 1} | {rates[l]:.3f} | {c['top_dropped'] / c['rows']:.3f} "
+                     f"| {c['noise'] / inverted_noise(l, p0):.2f} | {c['noise'] / inverted_noise(l, rates[l]):.2f} "
+                     f"| {c['rowsum'] / c['rows']:.3f} | {row_max[l]:.2f} |")
     lines += ["", "| attention dropout | [CLS] output change against eval (relative L2, mean of draws) |", "|---|---|"]
     lines += [f"| {name} | {statistics.mean(v):.3f} |" for name, v in change.items()]
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. {a.init} ({quiet.gnet_mask} mask), the first "
             f"{ids.size(0)} dev sentences of {a.datasets[0]}, hidden dropout off, {TRAINED_PROBE_DRAWS} draws; "
-            f"noise against standard dropout at p0 = {p0:g} on the same attention probabilities.")
+            f"noise against plain inverted dropout on the same attention probabilities, at p0 = {p0:g} and at "
+            f"the layer's measured drop rate.")
     text = "\n".join(lines) + "\n\n" + note + "\n"
     print(text)
     os.makedirs(a.docs, exist_ok=True)
