@@ -186,6 +186,23 @@ def lock_out(out):
         os.close(fd)
 
 
+def run_in_progress(folder):
+    """True while a run holds `folder`'s lock (lock_out): its files are still being written. A lock file left by
+    a run that died is not held, so it does not count."""
+    path = os.path.join(folder, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def check_out(args):
     """--out holding another run is refused unless --resume or --overwrite (checked first; cleared by clear_out
     only once the new run has read its data and built its model)."""

@@ -47,7 +47,8 @@ from attendout import GNET, DropRateLogger, hold_budget
 from cli import ArgumentParser, fail, one_line_errors
 from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, autocast, check_out, check_replicas,
                    clear_out, gather_rng_states, is_main, lock_out, public_args, resolve_device, rng_state,
-                   save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn, weights_finite)
+                   run_in_progress, save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn,
+                   weights_finite)
 from model import CheckpointError, Config, Model, apply_overrides, build_model, read_checkpoint
 
 # The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
@@ -211,6 +212,8 @@ def check_args(args):
     resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
     if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
         bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
+    if args.schedule and run_in_progress(os.path.dirname(os.path.abspath(args.schedule))):
+        bad("schedule", "the AttendOut run writing it has not finished (its folder is locked); replay it once it has")
     for name in ("data", "train_file", "dev_file"):
         if getattr(args, name) is not None and not os.path.exists(getattr(args, name)):
             bad(name, "no such file or folder")

@@ -362,6 +362,23 @@ def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
         only_line(err, "error: ", words)
 
 
+def test_schedule_from_a_run_still_in_progress_is_refused(listops_dir, tmp_path, capfd):
+    """--schedule replays an AttendOut run's droprates.jsonl: while that run still writes it (its folder's lock is
+    held), the file is incomplete, and replaying it would silently use a truncated schedule."""
+    from infra import lock_out
+    src = tmp_path / "attendout"
+    assert run_main(listops_args(listops_dir, src, steps=2) + ["--attn-dropout", "attendout", "--log-every", "1"],
+                    capfd)[0] == 0
+    replay = listops_args(listops_dir, tmp_path / "replay", steps=2) + [
+        "--attn-dropout", "scheduled", "--schedule", str(src / "droprates.jsonl")]
+    with lock_out(str(src)):                                      # as if the AttendOut run were still going
+        code, _, err = run_main(replay, capfd)
+    assert code == 2 and not (tmp_path / "replay" / "final.json").exists()
+    only_line(err, "error: ", "the AttendOut run writing it has not finished")
+    (src / "run.lock").write_text("")                             # a lock file nobody holds (a run that died)
+    assert run_main(replay, capfd)[0] == 0
+
+
 def test_errors_on_init_and_out(listops_dir, tmp_path, capfd):
     args = listops_args(listops_dir, tmp_path / "run")
     code, _, err = run_main(args + ["--init", str(tmp_path / "nowhere")], capfd)
