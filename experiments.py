@@ -624,7 +624,6 @@ def attendout_probe(a):
     import torch
     from model import apply_overrides, build_model
     quiet, state, ids, mask = probe_inputs(a, 32)
-    cfg = quiet
     plain = build_model(quiet, state, a.init).eval()
     qkv = []                                                    # each layer's fused q|k|v projection output
     hooks = [layer.attn.qkv.register_forward_hook(lambda mod, inp, out: qkv.append(out)) for layer in plain.layers]
@@ -635,7 +634,7 @@ def attendout_probe(a):
     keys = mask.bool()                                          # [B, L]
     lines = ["| layer | mean largest weight in a row | rows with one key > 0.5 | value norm of that key / row mean |",
              "|---|---|---|---|"]
-    H, d = cfg.num_heads, cfg.hidden_size
+    H, d = quiet.num_heads, quiet.hidden_size
     for l, out in enumerate(qkv):
         B, L, _ = out.shape
         q, k, v = (t.view(B, L, H, d // H).transpose(1, 2) for t in out.split(d, dim=-1))    # [B, H, L, d_h]
@@ -659,7 +658,7 @@ def attendout_probe(a):
                 change.append(((m.encode(ids, mask)[:, 0] - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
         lines.append(f"| {name} | {statistics.mean(change):.3f} |")
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. {a.init}, the first 32 dev sentences of "
-            f"{a.datasets[0]}, hidden dropout off, attention dropout rate {cfg.attn_dropout_p}.")
+            f"{a.datasets[0]}, hidden dropout off, attention dropout rate {quiet.attn_dropout_p}.")
     text = "\n".join(lines) + "\n\n" + note + "\n"
     print(text)
     os.makedirs(a.docs, exist_ok=True)

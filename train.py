@@ -210,10 +210,11 @@ def check_args(args):
     if args.task not in tasks.TASKS:
         bad("task", f"unknown task; choose one of {', '.join(tasks.TASKS)}")
     resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
-    if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
-        bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
-    if args.schedule and run_in_progress(os.path.dirname(os.path.abspath(args.schedule))):
-        bad("schedule", "the AttendOut run writing it has not finished (its folder is locked); replay it once it has")
+    if args.schedule and not args.schedule.startswith("linear:"):
+        if not os.path.isfile(args.schedule):
+            bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
+        if run_in_progress(os.path.dirname(os.path.abspath(args.schedule))):
+            bad("schedule", "the AttendOut run writing it has not finished (its folder is locked); replay it once it has")
     for name in ("data", "train_file", "dev_file"):
         if getattr(args, name) is not None and not os.path.exists(getattr(args, name)):
             bad(name, "no such file or folder")
