@@ -659,11 +659,7 @@ def attendout_probe(a):
         lines.append(f"| {name} | {statistics.mean(change):.3f} |")
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. {a.init}, the first 32 dev sentences of "
             f"{a.datasets[0]}, hidden dropout off, attention dropout rate {quiet.attn_dropout_p}.")
-    text = "\n".join(lines) + "\n\n" + note + "\n"
-    print(text)
-    os.makedirs(a.docs, exist_ok=True)
-    with open(os.path.join(a.docs, f"probe_attendout_{a.datasets[0]}.md"), "w") as f:
-        f.write(text)
+    write_doc(a, f"probe_attendout_{a.datasets[0]}.md", lines, note)
 
 
 def probe_inputs(a, n):
@@ -767,11 +763,7 @@ def attendout_trained_probe(a):
             f"{ids.size(0)} dev sentences of {a.datasets[0]}, hidden dropout off, {TRAINED_PROBE_DRAWS} draws; "
             f"noise against plain inverted dropout on the same attention probabilities, at p0 = {p0:g} and at "
             f"the layer's measured drop rate.")
-    text = "\n".join(lines) + "\n\n" + note + "\n"
-    print(text)
-    os.makedirs(a.docs, exist_ok=True)
-    with open(os.path.join(a.docs, f"probe_attendout_trained_{a.datasets[0]}.md"), "w") as f:
-        f.write(text)
+    write_doc(a, f"probe_attendout_trained_{a.datasets[0]}.md", lines, note)
     return sums
 
 
@@ -910,12 +902,18 @@ def plot_pretrained_droprates(a):
         json.dump(summary, f)
 
 
-def write_results(a, name, table, note, raw):
-    text = "\n".join(table) + "\n\n" + note + "\n"
+def write_doc(a, filename, lines, note):
+    """A table (its lines) and the note under it, printed and written to --docs/filename."""
+    text = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + text)
     os.makedirs(a.docs, exist_ok=True)
-    with open(os.path.join(a.docs, f"results_{name}.md"), "w") as f:
+    with open(os.path.join(a.docs, filename), "w") as f:
         f.write(text)
+
+
+def write_results(a, name, table, note, raw):
+    """docs/results_NAME.md (the table) and docs/results_NAME.json (its raw numbers)."""
+    write_doc(a, f"results_{name}.md", table, note)
     with open(os.path.join(a.docs, f"results_{name}.json"), "w") as f:
         json.dump(raw, f, indent=1)
 
