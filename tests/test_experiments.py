@@ -284,7 +284,8 @@ def test_attendout_trained_probe_sees_standard_dropout_in_a_uniform_g_net(tiny_g
                 "--attn-dropout", "attendout", "--gnet-mask", "capped", "--gnet-lr", "0", "--out", str(run)])
     capfd.readouterr()
     sums = experiments.main(["attendout-trained-probe", "--init", str(run / "ckpt_last.pt"), "--data-root",
-                             str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs")])
+                             str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs"),
+                             "--out", str(tiny_grid / "probe-out")])
     text = open(tiny_grid / "docs" / "probe_attendout_trained_sst2.md").read()
     row = next(line for line in text.splitlines() if line.startswith("| 1 | ")).split(" | ")
     rate, top, noise, noise_at_rate, mean_sum, max_sum = (float(x.strip(" |")) for x in row[1:])
@@ -299,7 +300,8 @@ def test_attendout_trained_probe_sees_standard_dropout_in_a_uniform_g_net(tiny_g
     assert change["plain dropout at the G-Net's layer rates"] == pytest.approx(change["standard dropout 0.1"], rel=0.1)
     with pytest.raises(SystemExit):                              # a checkpoint without a G-Net: one error line
         experiments.main(["attendout-trained-probe", "--init", str(tiny_grid / "init" / "ckpt_last.pt"),
-                          "--data-root", str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs")])
+                          "--data-root", str(tiny_grid / "data"), "--datasets", "sst2", "--docs", str(tiny_grid / "docs"),
+                          "--out", str(tiny_grid / "probe-out")])
     assert "needs the checkpoint of a dense AttendOut run" in capfd.readouterr().err
 
 
