@@ -655,11 +655,18 @@ def attendout_probe(a):
         with torch.no_grad():
             for seed in range(10):
                 torch.manual_seed(seed)
-                change.append(((m.encode(ids, mask)[:, 0] - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item())
+                change.append(cls_change(m, ids, mask, h_eval))
         lines.append(f"| {name} | {statistics.mean(change):.3f} |")
     note = (f"Command: `python experiments.py {' '.join(a.argv)}`. {a.init}, the first 32 dev sentences of "
             f"{a.datasets[0]}, hidden dropout off, attention dropout rate {quiet.attn_dropout_p}.")
     write_doc(a, f"probe_attendout_{a.datasets[0]}.md", lines, note)
+
+
+def cls_change(model, ids, mask, h_eval):
+    """How far one training-mode forward of `model` moves the [CLS] output from h_eval [B, d] (the eval output):
+    relative L2, mean over the batch. The caller seeds the draw."""
+    h = model.train().encode(ids, mask)[:, 0]                                            # [B, d]
+    return ((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item()
 
 
 def probe_inputs(a, n):
@@ -722,8 +729,7 @@ def attendout_trained_probe(a):
             for draw in range(TRAINED_PROBE_DRAWS):      # and the G-Net masks it recorded
                 torch.manual_seed(draw)
                 seen.clear()
-                h = m.train().encode(ids, mask)[:, 0]
-                yield ((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item(), list(seen)
+                yield cls_change(m, ids, mask, h_eval), list(seen)
         sums = {k: [0.0] * L for k in ("pairs", "dropped", "rows", "top_dropped", "noise", "A2", "rowsum")}
         row_max = [0.0] * L
         change = {"AttendOut (trained G-Net)": []}
@@ -743,12 +749,12 @@ def attendout_trained_probe(a):
                 sums["rowsum"][l] += rs.sum().item()
                 row_max[l] = max(row_max[l], rs.max().item())
         rates = [sums["dropped"][l] / sums["pairs"][l] for l in range(L)]
-        at_rates = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)
-        for layer, r in zip(at_rates.layers, rates):
+        plain = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)   # rate p0
+        at_p0 = [c for c, _ in moved(plain)]
+        for layer, r in zip(plain.layers, rates):
             layer.attn.drop.p = r                        # plain Bernoulli dropout at the G-Net's layer rate
-        change["plain dropout at the G-Net's layer rates"] = [c for c, _ in moved(at_rates)]
-        standard = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)
-        change[f"standard dropout {p0:g}"] = [c for c, _ in moved(standard)]
+        change["plain dropout at the G-Net's layer rates"] = [c for c, _ in moved(plain)]
+        change[f"standard dropout {p0:g}"] = at_p0
     inverted_noise = lambda l, p: sums["A2"][l] * p / (1 - p)        # plain inverted dropout's noise on the same A
     lines = ["| layer | drop rate | largest key dropped | noise / standard's | noise / plain at the layer's rate "
              "| mean row sum | largest row sum |", "|---|---|---|---|---|---|---|"]

@@ -125,7 +125,6 @@ def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_grid, capfd, 
         assert raw[v] == [finals[f"sst2-lowres-{v}-s{s}"]["dev"]["dev"]["acc"] for s in (0, 1)]
     table = open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.md").read()
     assert f"| sst2-lowres | attendout - scheduled | {experiments.fmt_diff(raw['scheduled'], raw['attendout'])} |" in table
-    table = open(tiny_grid / "docs" / "results_pretrained_attendout_sst2.md").read()
     m, h = experiments.paired_ci([100 * x for x in raw["standard"]], [100 * x for x in raw["attendout"]])
     assert "| sst2 | lowres | standard |" in table and "(baseline)" in table
     assert f"| {m:+.1f} [{m - h:+.1f}, {m + h:+.1f}] |" in table
