@@ -1,37 +1,30 @@
 """train.py: the one training loop (fine-tuning, training from scratch, masked-LM pretraining).
 
-What it is: nanoGPT's train.py for encoders. AdamW (no decay on biases and LayerNorm), linear warmup then
-linear decay, gradient clipping and accumulation, bf16 autocast on CUDA (fp32 on the CPU), evaluation with
-the task's official metrics, atomic checkpoints, exact resume, torchrun / DDP.
+What it is: nanoGPT's train.py for encoders: AdamW, warmup then linear decay, clipping, gradient accumulation,
+bf16 autocast on CUDA (fp32 on the CPU), each task's official dev metric, atomic checkpoints, exact resume
+(bit-identical on the CPU), torchrun / DDP. One loop for the CPU and the GPU.
 
-Exact resume: ckpt_last.pt holds the weights (G-Nets included), AdamW's state, every process's RNG states
-(python, numpy, torch, CUDA), the step and the position in the epoch (the batch order is a function of
-(seed, epoch), data.batch_plan). The learning-rate schedule is a pure function of the step (lr_factor), so
-restoring the step restores it. A run killed at any moment (SIGKILL too) and resumed with --resume ends
-bit-identical on the CPU to an uninterrupted one; log lines written after the last checkpoint are dropped.
-
-The ideas it switches on, each by a flag (and the Config field of the same name, model.py):
-  --attention sparse|hst            ERNIE-Sparse's block-sparse attention and Hierarchical Sparse Transformer
-  --sar ALPHA / --rdrop ALPHA       Self-Attention Regularization (shifted topology) / R-Drop (sar.py)
-  --attn-dropout attendout          AttendOut's learned G-Net attention dropout (attendout.py)
-  --eval-shift all / --eval-redraw K  also score every evaluation under perturbed topologies (methods.md §2.3)
+The ideas, each switched by a flag (and by the model.Config field of the same name):
+  --attention sparse|hst       ERNIE-Sparse: block-sparse attention, Hierarchical Sparse Transformer (sparse.py)
+  --sar ALPHA / --rdrop ALPHA  Self-Attention Regularization (a shifted topology) / its control R-Drop (sar.py)
+  --attn-dropout attendout     AttendOut: an adversarial, learned G-Net attention dropout (attendout.py)
+  --eval-shift N|all           also score the dev set under shifted topologies (methods.md §2.3)
 
 How to run it:
   python train.py                                   # the demo: generated ListOps, HST + SAR + AttendOut
-  python train.py --init roberta.pt --task cola --data glue/CoLA
+  python train.py --max-steps 100                   # the same demo, 100 steps (every default is the demo's)
+  python train.py --init roberta.pt --task sst2 --data glue/SST-2      # fine-tune a converted checkpoint
   torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
-  python train.py --resume --out out/run          # continue a stopped / killed run
+  python train.py --resume --out out/demo           # continue a stopped or killed run
 """
-import signal
-import sys
-
-if __name__ == "__main__":      # Ctrl-C while torch loads: exit 130 without a traceback (main takes over after)
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
-
 import argparse
+import io
 import json
 import math
 import os
+import random
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -39,870 +32,685 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
+import torch.nn.functional as F
 
+import attendout
 import data
-import tasks
-from attendout import GNET, DropRateLogger, hold_budget
-from cli import ArgumentParser, fail, one_line_errors
-from infra import (DDP, StopFlag, all_reduce_sum, all_true, append_jsonl, autocast, check_out, check_replicas,
-                   clear_out, gather_rng_states, is_main, lock_out, public_args, resolve_device, rng_state,
-                   run_in_progress, save_checkpoint, seed_everything, set_rng_state, setup_distributed, trim_log, warn,
-                   weights_finite)
-from model import CheckpointError, Config, Model, apply_overrides, build_model, read_checkpoint
-
-# The demo that `python train.py` runs with no arguments: a small generated ListOps set, a small model from
-# scratch, with the project's ideas on (HST attention, SAR, AttendOut). Printed before it starts.
-DEMO = ["--task", "listops", "--init", "scratch", "--out", "out/demo", "--overwrite",
-        "--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256",
-        "--attention", "hst", "--block-size", "8", "--sar", "1.0", "--attn-dropout", "attendout",
-        "--epochs", "10", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "200"]
-DEMO_LISTOPS = dict(n_train=6000, n_val=500, n_test=500, min_len=10, max_len=60, max_depth=3, max_args=4, seed=0)
-# --threads 0 on the CPU: one thread for a model smaller than this (parameters), whose operations are too small to
-# split and which another job on the machine would slow down; every core this process may use for a larger one.
-SMALL_MODEL = 20e6
-
+import sar
+from data import ArgumentParser, fail, one_line_errors, warn
+from model import CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict, read_checkpoint
+from model import save_atomic
 
 # -----------------------------------------------------------------------------
-# 1. Flags. Model and method flags default to None: "keep the checkpoint's value, or Config's default".
+# 1. Flags. Every default is the demo's: `python train.py --max-steps 100` is the demo, 100 steps long.
+#    With --init CKPT, FINETUNE's defaults apply instead and the model keeps the checkpoint's own Config.
 
 def make_parser():
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = ap.add_argument_group("task and data")
-    g.add_argument("--task", default="listops", help=f"one of {', '.join(tasks.TASKS)} (tasks.py)")
-    g.add_argument("--data", default=None, help="task folder or file (listops: generated into data/listops-demo if omitted)")
-    g.add_argument("--train-file", default=None, help="override the training file inside --data")
-    g.add_argument("--dev-file", default=None, help="override the dev file inside --data")
-    g.add_argument("--text-col", default=None, help="--task tsv: text column (name or 0-based index)")
-    g.add_argument("--text-pair-col", default=None, help="--task tsv: optional second text column")
-    g.add_argument("--label-col", default=None, help="--task tsv: label column")
-    g.add_argument("--max-len", type=int, default=None, help="tokens per example (default: 512, LRA tasks: LRA's lengths, docs/tasks.md; at most the model's limit)")
-    g.add_argument("--no-truncate", action="store_true", help="fail on examples longer than --max-len instead of truncating")
-    g.add_argument("--vocab-size", type=int, default=8000, help="from scratch on text: SentencePiece vocabulary size")
-
-    g = ap.add_argument_group("initialisation and model size")
-    g.add_argument("--init", default="scratch", help="an HF folder, a converted .pt, or 'scratch'")
-    g.add_argument("--layers", type=int, default=4, help="from scratch: number of layers")
-    g.add_argument("--hidden", type=int, default=256, help="from scratch: hidden size d")
-    g.add_argument("--heads", type=int, default=4, help="from scratch: attention heads")
-    g.add_argument("--ffn", type=int, default=1024, help="from scratch: feed-forward size")
-
-    g = ap.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=float, default=3, help="passes over the training set (ignored with --max-steps)")
-    g.add_argument("--max-steps", type=int, default=0, help="optimizer steps; 0: from --epochs")
-    g.add_argument("--batch-size", type=int, default=32, help="examples per optimizer step (all GPUs, before accumulation)")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=2e-5, help="peak learning rate")
-    g.add_argument("--warmup", type=float, default=0.06, help="warmup: a fraction of the steps (< 1) or a step count")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decay on weight matrices and embeddings")
-    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping, backbone and G-Nets apart (0: off)")
-    g.add_argument("--seed", type=int, default=0)
-
-    g = ap.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument("--out", default="out/run", help="run folder: log.jsonl, final.json, ckpt_best.pt, ckpt_last.pt")
-    g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: only at the end of each epoch)")
-    g.add_argument("--save-every", type=int, default=500, help="write ckpt_last.pt every N steps (and at the end)")
-    g.add_argument("--log-every", type=int, default=10, help="one log.jsonl line every N steps")
-    g.add_argument("--eval-shift", default="0",
-                   help="also evaluate with the topology shifted by N tokens (0 <= N < --block-size), or 'all': every "
-                        "shift 1 .. b-1, their mean and worst (methods.md §2.3)")
-    g.add_argument("--eval-redraw", type=int, default=0,
-                   help="also evaluate under K other draws of the random blocks (--num-random > 0), their mean and worst")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out from ckpt_last.pt")
-    g.add_argument("--overwrite", action="store_true", help="allow an --out folder that holds another run")
-    g.add_argument("--skip-nonfinite", action="store_true", help="skip (and count) batches whose loss is NaN/inf instead of stopping")
-
-    g = ap.add_argument_group("device")
-    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--threads", type=int, default=0,
-                   help=f"CPU threads for torch (0: 1 for a model under {SMALL_MODEL / 1e6:g}M parameters, else every core "
-                        "this process may use). The count moves the last bits of the results: give it to reproduce a run")
-    g.add_argument("--ffn-chunk", type=int, default=None,
-                   help="feed-forward on this many positions at a time (same result; faster on long inputs on CPU)")
-
-    g = ap.add_argument_group("attention topology (ERNIE-Sparse; Config fields, default: checkpoint / Config)")
-    g.add_argument("--attention", choices=["dense", "sparse", "hst"], default=None)
-    g.add_argument("--block-size", type=int, default=None, help="b, tokens per block")
-    g.add_argument("--window", type=int, default=None, help="w, neighbour blocks on each side")
-    g.add_argument("--num-global", type=int, default=None, help="g, global tokens at the start")
-    g.add_argument("--num-random", type=int, default=None, help="r, random key blocks per query block")
-    g.add_argument("--no-flex", dest="flex_attention", action="store_false", default=None,
-                   help="sparse / hst on CUDA: use the gather kernel, not FlexAttention, when there is no attention dropout")
-    g.add_argument("--max-positions", type=int, default=None, help="position-table rows; larger than the checkpoint's copies it")
-
-    g = ap.add_argument_group("attention dropout (AttendOut; Config fields)")
-    g.add_argument("--attn-dropout", choices=["standard", "none", "attendout", "scheduled"], default=None)
-    g.add_argument("--attn-dropout-p", type=float, default=None, help="p0: standard rate and G-Net's starting rate")
-    g.add_argument("--hidden-dropout-p", type=float, default=None, help="dropout on embeddings and residual branches")
-    g.add_argument("--gnet-budget", type=float, default=None,
-                   help="rho: the G-Nets' mean drop rate is held here after every step (default p0)")
-    g.add_argument("--gnet-lr", type=float, default=None, help="the G-Nets' own peak learning rate (default 3e-3)")
-    g.add_argument("--gnet-tau", type=float, default=None, help="relaxed-Bernoulli temperature")
-    g.add_argument("--gnet-dim", type=int, default=None, help="d_g, G-Net projection size per head")
-    g.add_argument("--gnet-mask", choices=["logit", "rowscale", "capped", "inverted"], default=None,
-                   help="how the G-Net's keep mask is applied (methods.md §3.1; default capped)")
-    g.add_argument("--gnet-max-pi", type=float, default=None,
-                   help="--gnet-mask capped: the largest drop probability of any pair (default 0.5)")
-    g.add_argument("--gnet-cooperative", dest="gnet_reverse", action="store_false", default=None,
-                   help="no gradient reversal: the G-Net minimises the task loss (an ablation)")
-    g.add_argument("--gnet-budget-scope", choices=["mean", "layer"], default=None,
-                   help="hold the mean drop rate over layers at rho (mean, default) or every layer's (layer)")
-    g.add_argument("--schedule", default=None, help="scheduled dropout: a droprates.jsonl or linear:P_LOW:P_HIGH")
-    g.add_argument("--layerdrop", type=float, default=None, help="LayerDrop probability")
-    g.add_argument("--attn-layerdrop", type=float, default=None, help="Attn.LayerDrop probability")
-
-    g = ap.add_argument_group("consistency regularisers (sar.py)")
-    g.add_argument("--sar", type=float, default=0.0, help="SAR weight alpha (0: off)")
-    g.add_argument("--sar-shift", type=int, default=1, help="SAR: padding tokens inserted after the first token")
-    g.add_argument("--rdrop", type=float, default=0.0, help="R-Drop weight alpha (0: off)")
+    add = ap.add_argument
+    add("--task", default="listops", help=f"one of {', '.join(data.TASKS)} (data.TASKS)")
+    add("--data", help="the task's folder or file (listops: generated into data/listops-demo if omitted)")
+    add("--train-file", help="the training file inside --data, if not the task's usual name")
+    add("--dev-file", help="the dev file inside --data, if not the task's usual name")
+    add("--text-col", help="--task tsv: the text column (name or 0-based index)")
+    add("--text-pair-col", help="--task tsv: an optional second text column")
+    add("--label-col", help="--task tsv: the label column")
+    add("--max-len", type=int, help="tokens per example (default: the task's, at most the model's)")
+    add("--vocab-size", type=int, default=8000, help="from scratch on text: the SentencePiece vocabulary")
+    add("--init", default="scratch", help="an HF folder, a .pt (python model.py convert), or 'scratch'")
+    add("--layers", type=int, default=2, help="from scratch: layers")
+    add("--hidden", type=int, default=128, help="from scratch: hidden size d")
+    add("--heads", type=int, default=4, help="from scratch: attention heads H")
+    add("--ffn", type=int, default=256, help="from scratch: feed-forward size")
+    add("--epochs", type=float, default=10, help="passes over the training set (with --init: 3)")
+    add("--max-steps", type=int, default=0, help="optimizer steps (0: from --epochs)")
+    add("--batch-size", type=int, default=32, help="examples per optimizer step, all processes together")
+    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    add("--lr", type=float, default=1e-3, help="peak learning rate (with --init: 2e-5)")
+    add("--warmup", type=float, default=0.06, help="warmup: a fraction of the steps (< 1) or a step count")
+    add("--weight-decay", type=float, default=0.01, help="AdamW's decay of weight matrices and embeddings")
+    add("--clip", type=float, default=1.0, help="gradient-norm clip, backbone and G-Nets apart (0: off)")
+    add("--seed", type=int, default=0, help="data order, initial weights, dropout: the same for every method")
+    add("--out", default="out/demo", help="run folder: log.jsonl, final.json, ckpt_best.pt, ckpt_last.pt")
+    add("--eval-every", type=int, default=200, help="evaluate every N steps (0: each epoch's end; with --init: 0)")
+    add("--save-every", type=int, default=500, help="write ckpt_last.pt every N steps (and at the end)")
+    add("--log-every", type=int, default=10, help="a log line every N steps")
+    add("--eval-shift", default="0", help="also score the topology shifted by N tokens, or 'all' (1 .. b-1)")
+    add("--resume", action="store_true", help="continue the run in --out from its ckpt_last.pt")
+    add("--overwrite", action="store_true", help="replace a run already in --out")
+    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    add("--compile", action="store_true", help="torch.compile the model")
+    add("--threads", type=int, default=0, help="CPU threads (0: 1 for a model under 20M parameters, else all)")
+    # model.Config fields (methods.md §2, §3); None: Config's default (or, with --init, the checkpoint's)
+    add("--attention", choices=["dense", "sparse", "hst"], default="hst", help="the topology (sparse.py)")
+    add("--block-size", type=int, default=8, help="b, tokens per block")
+    add("--window", type=int, help="w, neighbour blocks on each side (Config: 1)")
+    add("--num-global", type=int, help="g, global tokens at the start (Config: 1)")
+    add("--num-random", type=int, help="r, random key blocks per query block (Config: 0)")
+    add("--max-positions", type=int, help="position-table rows; more than the checkpoint's copies the table")
+    add("--attn-dropout", choices=list(attendout.METHODS), default="attendout", help="attendout.METHODS")
+    add("--attn-dropout-p", type=float, help="p0: the standard rate and the G-Nets' start (Config: 0.1)")
+    add("--hidden-dropout-p", type=float, help="dropout on embeddings and residual branches (Config: 0.1)")
+    add("--gnet-budget", type=float, help="rho: the G-Nets' mean drop rate (default: p0)")
+    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: 3e-3)")
+    add("--schedule", help="--attn-dropout scheduled: a droprates.jsonl or linear:P_LOW:P_HIGH")
+    add("--layerdrop", type=float, help="LayerDrop: skip a whole layer with this probability")
+    add("--attn-layerdrop", type=float, help="Attn.LayerDrop: skip only the attention sub-layer")
+    add("--sar", type=float, default=1.0, help="SAR's weight alpha (0: off; with --init: 0)")
+    add("--sar-shift", type=int, default=1, help="SAR: padding tokens inserted after the first token")
+    add("--rdrop", type=float, default=0.0, help="R-Drop's weight alpha (0: off)")
     return ap
 
-
-# flag name -> Config field, for the flags that mirror Config
-CONFIG_FLAGS = ("ffn_chunk", "attention", "block_size", "window", "num_global", "num_random", "flex_attention", "max_positions", "attn_dropout",
-                "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lr", "gnet_tau", "gnet_dim",
-                "gnet_mask", "gnet_max_pi", "gnet_reverse", "gnet_budget_scope", "schedule", "layerdrop", "attn_layerdrop")
-GNET_FLAGS = tuple(f for f in CONFIG_FLAGS if f.startswith("gnet_"))   # AttendOut's own knobs
-
+CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
+                "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lr", "schedule", "layerdrop",
+                "attn_layerdrop")                                # the flags that are model.Config fields
+FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **{f: None for f in CONFIG_FLAGS}}
+RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
+                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup")  # fix the stream
+POSITIVE = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn", "block_size",
+            "max_positions")                             # must be >= 1; the numbers below must be >= 0
+NON_NEGATIVE = ("max_steps", "eval_every", "save_every", "warmup", "weight_decay", "clip", "lr", "sar", "rdrop",
+                "gnet_lr", "window", "num_global", "num_random", "threads")
+ONLY_WITH = {"gnet_": "attendout", "schedule": "scheduled"}     # method flags, useless without their method
 
 def parse_args(argv):
-    if not argv:
-        print("no arguments: running the demo:\n  python train.py " + " ".join(DEMO) + "\n", flush=True)
-        argv = DEMO
-    ap = make_parser()
-    args = ap.parse_args(argv)
-    # the flags given explicitly on the command line (they win over a resumed run's saved flags)
-    quiet = make_parser()
+    args = make_parser().parse_args(argv)
+    quiet = make_parser()                                # the same flags without defaults: which were given
     for a in quiet._actions:
         a.default = argparse.SUPPRESS
     args.given = sorted(vars(quiet.parse_args(argv)))
+    for k, v in FINETUNE.items() if args.init != "scratch" else ():
+        if k not in args.given:                          # with --init: the fine-tuning defaults
+            setattr(args, k, v)
     return args
 
-
-# the smallest value that means something, per flag (a flag left at None is not checked; --resume fills it in)
-AT_LEAST_1 = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn",
-              "block_size", "gnet_dim", "max_positions")
-AT_LEAST_0 = ("max_steps", "eval_every", "save_every", "eval_redraw", "warmup", "weight_decay", "clip", "lr", "sar",
-              "rdrop", "gnet_lr", "window", "num_global", "num_random", "ffn_chunk", "threads")
-MIN_MAX_LEN = 8                 # room for a pair's special tokens and some text
-
-
 def check_args(args):
-    """Values that mean nothing, refused before anything is read or written: one line naming the flag. Values
-    that would only fail after training (an evaluation flag, --log-every 0) are caught here too."""
-    def bad(name, why):
-        fail(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}")
-    for name in AT_LEAST_1 + AT_LEAST_0:
-        v = getattr(args, name)
-        low = 1 if name in AT_LEAST_1 else 0
-        if v is not None and not (math.isfinite(v) and v >= low):       # NaN fails too
+    """Values that mean nothing, refused before anything is read or written: one line naming the flag."""
+    bad = lambda name, why: fail(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}")
+    for name in POSITIVE + NON_NEGATIVE:
+        v, low = getattr(args, name), int(name in POSITIVE)
+        if v is not None and not (math.isfinite(v) and v >= low):     # NaN fails too
             bad(name, f"must be >= {low}")
-    if str(args.eval_shift) != "all" and not str(args.eval_shift).isdigit():    # below the block size: check_flags
+    if args.eval_shift != "all" and not str(args.eval_shift).isdigit():
         bad("eval_shift", "give 'all' or a number of tokens >= 0")
     args.eval_shift = args.eval_shift if args.eval_shift == "all" else int(args.eval_shift)
-    if args.max_steps == 0 and not (math.isfinite(args.epochs) and args.epochs > 0):
+    if args.max_steps == 0 and not args.epochs > 0:
         bad("epochs", "must be > 0 (or give --max-steps)")
-    if args.gnet_tau is not None and not args.gnet_tau > 0:
-        bad("gnet_tau", "the relaxed-Bernoulli temperature must be > 0")
-    if args.max_len is not None and args.max_len < MIN_MAX_LEN:
-        bad("max_len", f"must be at least {MIN_MAX_LEN} tokens (special tokens included)")
-    if args.task not in tasks.TASKS:
-        bad("task", f"unknown task; choose one of {', '.join(tasks.TASKS)}")
-    resolve_device(args.device)                                   # --device gpu, cuda without CUDA: one line
-    if args.schedule and not args.schedule.startswith("linear:"):
-        if not os.path.isfile(args.schedule):
-            bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
-        if run_in_progress(os.path.dirname(os.path.abspath(args.schedule))):
-            bad("schedule", "the AttendOut run writing it has not finished (its folder is locked); replay it once it has")
+    if args.max_len is not None and args.max_len < 8:                  # a pair's special tokens and some text
+        bad("max_len", "must be at least 8 tokens (special tokens included)")
+    if args.task not in data.TASKS:
+        bad("task", f"unknown task; choose one of {', '.join(data.TASKS)}")
+    if args.sar > 0 and args.rdrop > 0:
+        fail("--sar and --rdrop are alternatives; give one")
+    if args.sar_shift < 1:
+        bad("sar_shift", "SAR needs a shift of at least 1 token (two unshifted views: --rdrop)")
+    if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
+        bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
     for name in ("data", "train_file", "dev_file"):
         if getattr(args, name) is not None and not os.path.exists(getattr(args, name)):
             bad(name, "no such file or folder")
+    resolve_device(args.device)                                        # --device cuda without CUDA: one line
 
 
 # -----------------------------------------------------------------------------
-# 2. Data and model: where the examples, the tokenizer and the weights come from.
+# 2. Data, tokenizer and model.
 
-def task_data_dir(args):
-    """--data, or (ListOps) the small demo set, generated on first use."""
-    if args.data is not None:
-        if not os.path.exists(args.data):
-            fail(f"--data {args.data}: no such file or folder")
-        return args.data
-    if args.task != "listops":
-        fail(f"--task {args.task} needs --data (a folder with train/dev files)")
+def columns(args):                                       # where a task's files and columns are, by flag
+    return dict(train_file=args.train_file, dev_file=args.dev_file, text_col=args.text_col,
+                text_pair_col=args.text_pair_col, label_col=args.label_col)
+
+def task_data_dir(args):                                 # --data, or for ListOps the demo's set, made once
+    if args.data is not None or args.task != "listops":
+        return args.data or fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
     folder = os.path.join("data", "listops-demo")
-    if not os.path.exists(os.path.join(folder, "basic_val.tsv")) and is_main():
-        print(f"generating a small ListOps set in {folder} ({DEMO_LISTOPS})", flush=True)
-        d = DEMO_LISTOPS
-        data.write_listops(folder, d["n_train"], d["n_val"], d["n_test"], d["min_len"], d["max_len"], d["seed"],
-                           d["max_depth"], d["max_args"], progress=True)
-    if dist.is_initialized():
-        dist.barrier()
+    if is_main() and not os.path.exists(os.path.join(folder, "basic_val.tsv")):
+        print(f"generating a small ListOps set in {folder}", flush=True)
+        data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3, max_args=4)
+    barrier()
     return folder
 
-
-def load_tokenizer(args, data_dir, stored_files=None):
-    """The run's tokenizer: the files stored with a resumed run or --init (already read with its weights), ListOps',
-    or a SentencePiece model trained on the training texts (rank 0 trains it, the others read the cached file)."""
-    if stored_files is not None:
-        return data.tokenizer_from_files(data.tensors_to_files(stored_files))
-    fixed = tasks.fixed_tokenizer(args.task)    # ListOps symbols, LRA bytes / pixels
-    if fixed is not None:
-        return fixed
-    if dist.is_initialized() and not is_main():
-        dist.barrier()
-    texts = tasks.training_texts(args.task, data_dir, **tasks.files_and_columns(args))
+def load_tokenizer(args, data_dir, stored_files):
+    """The checkpoint's own, the task's fixed one (ListOps symbols, LRA bytes), or SentencePiece trained here."""
+    if stored_files or data.fixed_tokenizer(args.task):
+        return data.tokenizer_from_files(data.tensors_to_files(stored_files)) if stored_files \
+            else data.fixed_tokenizer(args.task)
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
-    if not os.access(folder, os.W_OK):      # read-only data: cache the tokenizer under data/spm-cache/ instead
+    if not os.access(folder, os.W_OK):                   # read-only data: the cache goes under data/spm-cache/
         folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
         os.makedirs(folder, exist_ok=True)
-    tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)  # -HASH.model
-    if dist.is_initialized() and is_main():
-        dist.barrier()
+    for turn in (0, 1):                                  # rank 0 trains it first; the others read its cache
+        if (turn == 0) == is_main():
+            texts = data.training_texts(args.task, data_dir, **columns(args))
+            tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+        barrier()
     return tok
 
-
-def read_init(args):
-    """(Config, state dict, tokenizer files) of --init: an HF folder or a .pt checkpoint; anything else is a
-    one-line error."""
-    if not (os.path.isdir(args.init) or os.path.isfile(args.init)):
+def read_init(args):                                     # (Config, state dict, tokenizer files) of --init
+    if not os.path.exists(args.init):
         fail(f"--init {args.init}: neither a model folder nor a checkpoint file (nor 'scratch')")
     try:
         cfg, state, tok_files, _ = read_checkpoint(args.init)
     except CheckpointError as e:
         fail(f"--init: {e}")
-    if not tok_files:      # a fine-tuned model reads text through its own tokenizer only
-        fail(f"--init {args.init}: no tokenizer files in it (an HF folder needs its tokenizer.json / vocab files; "
-             "convert it again with python model.py convert)")
+    if not tok_files:                                    # a pretrained model reads text through its own tokenizer
+        fail(f"--init {args.init}: no tokenizer files in it (convert it again with python model.py convert)")
     return cfg, state, tok_files
 
-
-def choose_threads(args, model, device):
-    """--threads, or (0) a sensible count: 1 for a small model on the CPU (the demo: 21 s per 100 steps on one
-    thread against 69-79 s on two while other jobs shared the 2 cores), every core this process may use for a
-    larger one. On a GPU, torch's own default unless --threads is given. Returns the count in use."""
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    elif device.type == "cpu":
-        torch.set_num_threads(1 if model.num_params() < SMALL_MODEL else len(os.sched_getaffinity(0)))
-    return torch.get_num_threads()
-
-
-def method_overrides(args):
-    return {f: getattr(args, f) for f in CONFIG_FLAGS if getattr(args, f) is not None}
-
-
 def make_model(args, tok, task, init):
-    """Model from --init (checkpoint values, then flag overrides) or from scratch (size flags)."""
-    overrides = method_overrides(args)
-    if init is None:
-        # BERT-style positions 0..L-1; room for the longest example plus SAR's inserted tokens (an evaluation flag
-        # never changes the model: a shifted evaluation keeps every token's position, sar.shift)
-        room = args.max_len + max(args.sar_shift, 0) + 1
-        cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                     intermediate_size=args.ffn, max_positions=room, type_vocab_size=2, pad_id=tok.pad_id,
-                     layer_norm_eps=1e-12, position_style="bert", num_labels=task.num_labels, head=task.head)
-        cfg = apply_overrides(cfg, overrides)
-        return Model(cfg)
-    cfg, state, _ = init
-    cfg = apply_overrides(cfg, {**overrides, "num_labels": task.num_labels, "head": task.head})
-    return build_model(cfg, state, args.init)
+    """From --init (the checkpoint's Config, then the flags given) or from scratch (the size flags)."""
+    overrides = {f: getattr(args, f) for f in CONFIG_FLAGS if getattr(args, f) is not None}
+    overrides.update(num_labels=task.num_labels, head=task.head)
+    if init is not None:
+        return build_model(apply_overrides(init[0], overrides), init[1], args.init)
+    cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                 intermediate_size=args.ffn, max_positions=args.max_len + args.sar_shift + 1, type_vocab_size=2,
+                 pad_id=tok.pad_id, layer_norm_eps=1e-12, position_style="bert")   # BERT-style positions 0..L-1
+    return Model(apply_overrides(cfg, overrides))
 
-
-def choose_max_len(args, model_cfg):
-    """--max-len, kept within the model's position table (model_cfg None: from scratch, sized from --max-len)."""
-    limit = None if model_cfg is None else model_cfg.max_len
-    if args.max_len is None:
-        default = tasks.kind(args.task).max_len         # 512; LRA's lengths for its tasks
-        args.max_len = default if limit is None else min(default, limit)
-    elif limit is not None and args.max_len > limit:
-        warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions extends "
-             f"the position table): using {limit}")
-        args.max_len = limit
-
-
-def check_data(args, task, data_dir):
-    """Truncation (one summary line), empty splits."""
-    if not task.train:
-        fail(f"{args.train_file or data_dir}: no training examples")
-    for split, examples in task.dev.items():
+def check_run(args, task, cfg, data_dir):
+    """What fails (one `error:` line) or does nothing (one `warning:` line) once data and model are known."""
+    sparse, b = cfg.attention != "dense", cfg.block_size
+    for split, examples in [("train", task.train), *task.dev.items()]:
         if not examples:
-            fail(f"{args.dev_file or data_dir}: the dev split {split!r} has no examples")
-    if not task.dev:
-        warn(f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt")
-    if task.skipped:
-        warn(data.skipped_warning(task.skipped))
-    if args.batch_size > len(task.train):
-        warn(f"--batch-size {args.batch_size} is larger than the training set ({len(task.train)} examples): every "
-             "step sees all of them")
-    if task.n_truncated and task.num_labels == 0:
-        warn(f"{task.n_truncated} lines were longer than --max-len {args.max_len} and were split into chunks")
-    elif task.n_truncated:
-        if args.no_truncate:
-            fail(f"{task.n_truncated} examples are longer than --max-len {args.max_len} (--no-truncate)")
-        warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were truncated")
-
-
-def check_flags(args, cfg, task):
-    """Contradictory or useless flag combinations: fail, or warn, in one line each (errors first)."""
-    if args.sar > 0 and args.rdrop > 0:
-        fail("--sar and --rdrop are alternatives; give one")
-    if args.sar_shift < 1:
-        fail(f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token (0 moves no block boundary; "
-             "for two unshifted views use --rdrop)")
+            fail(f"{data_dir}: the {split} split has no examples")
     if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
         fail("--sar / --rdrop need a classification or regression task, not mlm")
     if cfg.attn_dropout == "scheduled" and not cfg.schedule:
         fail("--attn-dropout scheduled needs --schedule FILE or linear:P_LOW:P_HIGH")
-    check_eval_perturbations(args, cfg)
-    if (args.sar > 0) and cfg.attention == "dense":
-        warn("--sar with dense attention has no effect: shifting moves no block boundary (the consistency term "
-             "only sees dropout); use --attention sparse or hst")
-    longest = max(len(e.ids) for split in [task.train, *task.dev.values()] for e in split)
-    if cfg.attention != "dense" and cfg.block_size > longest:
-        warn(f"--block-size {cfg.block_size} is larger than the longest sequence ({longest} tokens): every sequence "
-             "is one block (sparse attention is then dense)")
-    if cfg.attn_dropout != "attendout" and any(f in args.given for f in GNET_FLAGS):
-        warn("--gnet-* flags have no effect without --attn-dropout attendout")
-    if "schedule" in args.given and cfg.attn_dropout != "scheduled":
-        warn("--schedule has no effect without --attn-dropout scheduled")
-    columns = [f for f in ("text_col", "text_pair_col", "label_col") if f in args.given]
-    if columns and args.task != "tsv":
-        warn(f"--{', --'.join(f.replace('_', '-') for f in columns)}: only --task tsv reads columns by flag; "
-             f"--task {args.task} has its own")
-    model_flags = [f for f in args.given if f in CONFIG_FLAGS or f in ("layers", "hidden", "heads", "ffn", "init")]
-    if args.resume and model_flags:
-        warn(f"--resume continues the run's own model: ignoring --{', --'.join(f.replace('_', '-') for f in model_flags)}")
-
-
-def check_eval_perturbations(args, cfg):
-    """--eval-shift ('all' or 0 <= N < b under sparse / hst; check_args made it 'all' or an int) and --eval-redraw,
-    once the model's topology is known, before training: an error line naming the flag, or a warning where the
-    perturbation changes nothing."""
-    b, sparse, every = cfg.block_size, cfg.attention != "dense", args.eval_shift == "all"
-    if sparse and not every and args.eval_shift >= b:
-        fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b}: a shift of "
-             "b tokens puts every block boundary back on a boundary)")
-    if not sparse and args.eval_shift:
-        warn("--eval-shift with dense attention: shifting moves no block boundary, so the shifted score repeats the "
-             "original" + (" (all: only s = 1 is scored)" if every else ""))
-    if args.eval_redraw and (not sparse or cfg.num_random == 0):
-        warn("--eval-redraw has no effect without random blocks (dense attention or --num-random 0): not scored")
+    if sparse and args.eval_shift != "all" and args.eval_shift >= b:
+        fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b})")
+    useless = [f for f in args.given for k, m in ONLY_WITH.items() if f.startswith(k) and cfg.attn_dropout != m]
+    useless += [f for f in args.given if f.endswith("_col") and args.task != "tsv"]     # --task tsv's columns
+    warnings = [(not task.dev, f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt"),
+                (task.skipped, task.skipped and data.skipped_warning(task.skipped)),
+                (args.batch_size > len(task.train), f"--batch-size {args.batch_size} is larger than the training set"),
+                (task.n_truncated, f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
+                                   + ("split into chunks" if task.num_labels == 0 else "truncated")),
+                (args.sar > 0 and not sparse, "--sar with dense attention has no effect: shifting moves no block "
+                                              "boundary; use --attention sparse or hst"),
+                (args.eval_shift and not sparse, "--eval-shift with dense attention: shifting moves no block boundary"),
+                (sparse and b > max(len(e.ids) for e in task.train), f"--block-size {b} is larger than the longest "
+                                                                     "sequence: sparse attention is dense here"),
+                (useless, f"--{', --'.join(useless).replace('_', '-')}: no effect with this method or task"),
+                (args.resume and set(args.given) & set(CONFIG_FLAGS + ("layers", "hidden", "heads", "ffn", "init")),
+                 "--resume continues the run's own model: its model and method flags are ignored")]
+    for happens, line in warnings:
+        if happens:
+            warn(line)
 
 
 # -----------------------------------------------------------------------------
-# 3. Optimizer and schedule (nanoGPT's recipe).
+# 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
 
-def is_gnet(name):
-    """A G-Net parameter (AttendOut), by its name: it learns and is clipped apart from the backbone."""
-    return GNET in name.split(".")
+def autocast(device):                                    # bf16 on CUDA; fp32 (no autocast) on the CPU
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
+def classify_loss(model, batch, args, task, tok):
+    """CE (MSE for regression, methods.md §1); SAR / R-Drop: both views' CE + alpha x consistency (§2.3)."""
+    if task.head == "pair":                              # LRA Retrieval: [B, 2, L] -> [2B, L], rows 2i, 2i + 1
+        batch = data.flatten_pairs(batch)
+    if args.sar > 0:                                     # SAR: the original and the shifted topology
+        loss, ce, cons = sar.sar_loss(model, batch, args.sar, args.sar_shift, task.is_regression)
+    elif args.rdrop > 0:                                 # R-Drop: two unshifted views, different dropout
+        loss, ce, cons = sar.rdrop_loss(model, batch, args.rdrop, task.is_regression)
+    else:
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])    # [B, C]
+        return sar.task_loss(logits, batch["labels"], task.is_regression), {}
+    return loss, {"ce": ce.item(), "consistency": cons.item()}
+
+def dev_batches(examples, args, tok, device):            # longest first, each padded to its own longest example
+    for batch in data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0,
+                                   epoch=0, shuffle=False):
+        yield {k: v.to(device) for k, v in batch.items()}
+
+def mlm_loss(model, batch, args, task, tok, generator=None, shift_by=0):
+    """BERT's masked LM: 15% of the real tokens, 80/10/10 mask/random/keep (data.mask_tokens, on the CPU so a
+    resumed run draws the same masks); the mean CE over them. Also the dev loss (fixed masks, maybe shifted)."""
+    ids, labels = data.mask_tokens(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), mask_id=tok.mask_id,
+                                   vocab_size=tok.vocab_size, generator=generator,
+                                   special_ids=[tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id])
+    device, mask, pos = batch["input_ids"].device, batch["attention_mask"], None
+    ids, labels = ids.to(device), labels.to(device).flatten()                     # labels: -100 where not masked
+    if shift_by:
+        ids, mask, pos, _ = sar.shift(ids, mask, shift_by, model.cfg.pad_id, model.position_ids(ids))
+    logits = sar.unshift(model(ids, mask, None, pos, head="mlm"), shift_by)        # [B, L, V]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum")
+    return ce / (labels != -100).sum().clamp(min=1), {}
+
+@torch.no_grad()
+def evaluate(raw, task, args, device, tok, shift_by=0):
+    """{split: the task's metrics}: one pass, on the original topology or shifted by shift_by (sar.shift)."""
+    raw.eval()
+    out = {}
+    for split, examples in task.dev.items():
+        preds, labels, losses = [], [], []
+        for i, batch in enumerate(dev_batches(examples, args, tok, device)):
+            if task.num_labels == 0:                     # masked LM: fixed masks (batch i draws from seed i)
+                with autocast(device):
+                    losses.append(mlm_loss(raw, batch, args, task, tok, torch.Generator().manual_seed(i), shift_by)[0])
+                continue
+            batch = data.flatten_pairs(batch) if task.head == "pair" else batch   # LRA Retrieval's pairs
+            ids, mask, pos, types = batch["input_ids"], batch["attention_mask"], None, batch["token_type_ids"]
+            if shift_by:                                 # the content keeps its positions; the blocks move
+                ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
+            with autocast(device):
+                logits = raw(ids, mask, types, pos).float()                       # [B, C]
+            preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
+            labels.append(batch["labels"])
+        if losses:                                       # the LM's loss and perplexity
+            loss = torch.stack(losses).mean().item()
+            out[split] = {"loss": loss, "ppl": math.exp(min(loss, 50))}
+        else:
+            out[split] = data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy())
+    raw.train()
+    return out
+
+def objective(task_name):
+    """(loss, evaluate) of the task's objective: classify (and LRA's pairs), mlm, or QA's spans."""
+    kind = data.TASKS[task_name].objective
+    if kind == "span":
+        from readers import qa                           # not part of the course: loaded on first use
+        return qa.loss, qa.evaluate
+    return mlm_loss if kind == "mlm" else classify_loss, evaluate
+
+
+# -----------------------------------------------------------------------------
+# 4. Optimizer and schedule (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
 
 def make_optimizer(model, args, device):
-    """AdamW in three groups: weight matrices (decayed), biases / LayerNorm / scalars (not decayed), and the
-    G-Nets (AttendOut), which learn at their own rate cfg.gnet_lr without decay. Each group's peak rate is
-    its "base_lr"; the schedule scales all of them by the same factor (lr_factor)."""
+    """AdamW: matrices (decayed), biases and LayerNorms (not), the G-Nets (their own peak lr, no decay)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in params if not is_gnet(n) and p.dim() >= 2]
-    no_decay = [p for n, p in params if not is_gnet(n) and p.dim() < 2]         # biases, LayerNorm, scalars
-    gnet = [p for n, p in params if is_gnet(n)]
-    groups = [{"params": decay, "weight_decay": args.weight_decay, "base_lr": args.lr},
-              {"params": no_decay, "weight_decay": 0.0, "base_lr": args.lr}]
-    if gnet:
-        groups.append({"params": gnet, "weight_decay": 0.0, "base_lr": model.cfg.gnet_lr})
+    gnet = lambda n: attendout.GNET in n.split(".")
+    groups = [dict(params=[p for n, p in params if not gnet(n) and p.dim() >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for n, p in params if not gnet(n) and p.dim() < 2], weight_decay=0.0),
+              dict(params=[p for n, p in params if gnet(n)], weight_decay=0.0, base_lr=model.cfg.gnet_lr)]
+    groups = [{"base_lr": args.lr, **g} for g in groups if g["params"]]             # base_lr: the group's peak
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
 
+def clip_gradients(optimizer, max_norm):
+    """The backbone's gradient norm clipped to max_norm (0: measured only), the G-Nets' apart: their reversed
+    gradient can be orders of magnitude larger, and clipped together it would stop the backbone."""
+    groups = [g["params"] for g in optimizer.param_groups]          # [decayed, not decayed, (G-Nets)]
+    clip = lambda params: float(torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf))   # the norm before
+    return {"grad_norm": clip(groups[0] + groups[1]), **({"gnet_grad_norm": clip(groups[2])} if groups[2:] else {})}
 
-def clip_gradients(model, max_norm):
-    """Clip the backbone's gradient norm to max_norm (0: measure only), and the G-Nets' on their own.
-
-    Apart, because the G-Nets' reversed gradient can be orders of magnitude larger than the backbone's
-    (measured on MiniLM: up to 1e5 under --gnet-mask logit, when a dropped attention sink leaves a row whose
-    kept mass is tiny): clipped together, it would shrink the backbone's step to nothing. Returns
-    {"grad_norm": backbone norm, "gnet_grad_norm": G-Nets' norm (AttendOut only)} before clipping."""
-    limit = max_norm if max_norm > 0 else float("inf")
-    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    backbone = [p for n, p in params if not is_gnet(n)]
-    norms = {"grad_norm": float(torch.nn.utils.clip_grad_norm_(backbone, limit))}
-    gnet = [p for n, p in params if is_gnet(n)]
-    if gnet:
-        norms["gnet_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(gnet, limit))
-    return norms
-
-
-def lr_factor(step, total, warmup):
-    """Linear warmup to 1, then linear decay to 0."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def set_lr(optimizer, factor):
-    """Every group at factor x its own peak rate (the backbone's --lr, the G-Nets' --gnet-lr). Returns the
-    backbone's rate (logged as "lr")."""
-    for grp in optimizer.param_groups:
-        grp["lr"] = grp["base_lr"] * factor
-    return optimizer.param_groups[0]["lr"]
+def lr_factor(step, total, warmup):                      # linear warmup to 1, then linear decay to 0
+    return (step + 1) / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup))
 
 
 # -----------------------------------------------------------------------------
-# 4. Losses and evaluation: each task's own, in its entry of tasks.TASKS (classification, LRA Retrieval's pairs and
-#    masked LM in tasks.py, extractive QA in qa.py); the loop calls r.kind.loss and r.kind.evaluate. Here: which
-#    dev score picks ckpt_best.pt.
+# 5. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C.
 
-def main_metric(metrics, task):
-    """The number that picks ckpt_best.pt: the task's metric on its first dev split (lower loss is better)."""
-    split = next(iter(metrics))
-    v = metrics[split][task.metric_name]
-    return -v if task.metric_name == "loss" else v
+def resolve_device(name):                                # auto, cpu, cuda or cuda:N, if this machine has it
+    gpus, kind, _, index = torch.cuda.device_count(), *name.partition(":")
+    if name == "auto":
+        return torch.device("cuda" if gpus else "cpu")
+    if not (name == "cpu" or kind == "cuda" and (index or "0").isdigit() and int(index or 0) < gpus):
+        fail(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this machine has {gpus} GPUs)")
+    return torch.device(name)
+
+def setup_distributed(args):
+    """(rank, world size, device): one process, or one of torchrun's (NCCL on GPUs, gloo on the CPU)."""
+    device = resolve_device(args.device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+def is_main():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+def all_true(flag, device, world):                       # True only where it is True on every process
+    if world == 1:
+        return bool(flag)
+    t = torch.tensor([float(bool(flag))], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+class DDP(torch.nn.parallel.DistributedDataParallel):
+    def __getattr__(self, name):                         # also answers the Model's own (sar.py reads cfg)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+def rng_state():                                         # every RNG the run draws from, as plain tensors / lists
+    np_state = np.random.get_state()
+    return {"python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]], "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+def set_rng_state(s):
+    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
+    np.random.set_state((s["numpy"][0], s["numpy"][1].numpy(), *s["numpy"][2:]))
+    torch.set_rng_state(s["torch"])
+    if torch.cuda.is_available() and s["cuda"]:
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+def gather_rng_states(world):                            # every process's rng_state(), by rank
+    if world == 1:
+        return [rng_state()]
+    buf, blobs = io.BytesIO(), [None] * world
+    torch.save(rng_state(), buf)                         # as bytes: all_gather_object would pickle tensors
+    dist.all_gather_object(blobs, buf.getvalue())
+    return [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
+
+def trim_log(path, step):                                # resume: a killed run may have logged past its checkpoint
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+
+def append_jsonl(path, rec):
+    if is_main():
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+def save_checkpoint(r, path, rngs):
+    """Everything --resume needs, written atomically (model.save_atomic: a temporary file, then a rename)."""
+    args = {k: v for k, v in vars(r.args).items() if k != "given"}
+    save_atomic(checkpoint_dict(r.raw, data.files_to_tensors(r.tok.files), train_state=r.state, args=args,
+                                optimizer=r.optimizer.state_dict(), rng=rngs), path)
+
+class StopFlag:
+    """Ctrl-C / SIGTERM: finish the step, save ckpt_last.pt, exit 128 + the signal. A second Ctrl-C aborts."""
+
+    def __enter__(self):
+        self.signum, self.old = None, {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
 
 
 # -----------------------------------------------------------------------------
-# 5. The run, top to bottom: setup, then the loop (one optimizer step at a time, with evaluation and
-#    checkpoints on their schedule), then the report. Plumbing (processes, RNG capture, the run folder,
-#    atomic checkpoint writes, Ctrl-C) lives in infra.py.
+# 6. The run, top to bottom: setup(), then train() (step, log, evaluate, save), then report().
 
 def main(argv=None):
-    """Errors of the user's input end in one `error:` line, exit 2 (infra.one_line_errors); a stop by Ctrl-C
-    or SIGTERM exits 130 / 143 after saving, so `python train.py ... && next` does not carry on."""
+    """A user error ends in one `error:` line (exit 2); Ctrl-C or SIGTERM saves, then exits 130 / 143."""
     with one_line_errors():
         args = parse_args(sys.argv[1:] if argv is None else argv)
         check_args(args)
+    if not args.given:
+        print("no arguments: running the demo (every default is the demo's: python train.py --help)", flush=True)
     with one_line_errors(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}"):
         try:
-            with lock_out(args.out):
-                stopped_by = run(args)
-        except FloatingPointError as e:
-            fail(str(e))
+            r = setup(args)              # data, tokenizer, model, optimizer, schedule (or a resumed run's)
+            train(r)                     # the loop: returns at the last step, or when a stop was asked for
+            if r.state["step"] == r.total and is_main():
+                report(r)                # final.json and the last line
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    if stopped_by:
-        sys.exit(128 + stopped_by)
+    if r.stopped_by:
+        sys.exit(128 + r.stopped_by)
 
-
-def run(args):
-    # Reading guide. A run is three calls:
-    #   setup(args)   what to train on and what to train: tokenizer and task data (section 2), the model from a
-    #                 checkpoint or from scratch, the optimizer and the step count (section 3);
-    #   train(r)      the loop: train_step (forward and the task's loss, r.kind.loss from tasks.py; backward,
-    #                 clip, AdamW, AttendOut's budget), then logging, evaluation (r.kind.evaluate; ckpt_best.pt)
-    #                 and ckpt_last.pt on their schedules;
-    #   report(r)     final.json and the last line: the final and best dev score beside the majority class.
-    r = setup(args)              # data, model, optimizer, schedule; or all of them as a resumed run left them
-    train(r)                     # the loop; returns when the last step is done or a stop was asked for
-    if r.state["step"] < r.total:
-        return r.stopped_by      # the signal that stopped it (the exit code is 128 + it)
-    if is_main():
-        report(r)
-    return None
-
-
-class Run:
-    """What one run holds. setup() fills it; the loop's functions read it and update `state`.
-    `state` is the part that ckpt_last.pt saves (with the weights, AdamW and the RNGs): the step, the epoch and
-    the position in it, the best dev score so far, the last dev metrics, skipped batches, wall time."""
-    args = rank = world = device = tok = kind = task = raw = model = optimizer = stopped_by = None   # kind: tasks.TASKS[--task]
-    threads = 0                  # CPU threads in use (--threads, choose_threads)
-    total = warmup = per_epoch = 0
-    state = None
-    paths = None                 # log.jsonl, droprates.jsonl, ckpt_last.pt, ckpt_best.pt inside --out
-
+class Run:                               # what one run holds; `state` is the part ckpt_last.pt saves
+    stopped_by = None
+    FILES = ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "final.json", "ckpt_best.pt")   # in --out
 
 def setup(args):
-    """Everything the loop needs, in the order it is decided. Each step is a function of sections 2 and 3, or
-    of infra.py for the plumbing."""
     r = Run()
-    r.args = args
-    r.rank, r.world, r.device = setup_distributed(args)
-    # --- a resumed run takes its own flags back (except those given now), its weights, tokenizer and state
-    check_out(args)
-    resumed = read_resume(args)
+    r.args, (r.rank, r.world, r.device) = args, setup_distributed(args)
+    r.paths = {name: os.path.join(args.out, name) for name in Run.FILES}
+    if os.path.isfile(args.out) or any(map(os.path.exists, list(r.paths.values())[:4])) and not (
+            args.resume or args.overwrite):
+        fail(f"--out {args.out}: holds another run or is a file; pass --resume to continue it or --overwrite")
+    resumed = read_resume(args)          # a resumed run takes back its flags, weights, tokenizer and state
     init = read_init(args) if resumed is None and args.init != "scratch" else None
-    seed_everything(args.seed)
-
-    # --- data: the task's entry in tasks.TASKS (reader, loss, evaluation), the tokenizer (the checkpoint's own,
-    #     ListOps' or a SentencePiece model), then the task's examples
-    r.kind = tasks.kind(args.task)
+    seed_everything(args.seed)           # one seed, one set of initial weights for every method (paired runs)
+    # --- data: the tokenizer (the checkpoint's, the task's, or trained here), then the task's examples
     data_dir = task_data_dir(args)
-    stored_tok = resumed["tokenizer"] if resumed else (init[2] if init else None)
-    r.tok = load_tokenizer(args, data_dir, stored_tok)
-    model_cfg = resumed["config"] if resumed else (None if init is None else apply_overrides(init[0], method_overrides(args)))
-    choose_max_len(args, model_cfg)
-    r.task = tasks.load_task(args.task, data_dir, r.tok, max_len=args.max_len, **tasks.files_and_columns(args))
-    check_data(args, r.task, data_dir)
-
-    # --- the model: from the resumed checkpoint, --init (converted weights + flag overrides) or scratch
-    r.raw = (build_model(model_cfg, resumed["model"], resumed["path"]) if resumed
-             else make_model(args, r.tok, r.task, init))
-    init = None                                   # free the --init state dict
-    check_flags(args, r.raw.cfg, r.task)
-    r.threads = choose_threads(args, r.raw, r.device)
+    r.tok = load_tokenizer(args, data_dir, resumed["tokenizer"] if resumed else init and init[2])
+    cfg = resumed["config"] if resumed else init and apply_overrides(init[0], {"max_positions": args.max_positions}
+                                                                     if args.max_positions else {})
+    limit = cfg.max_len if cfg else math.inf             # from scratch the model is sized to --max-len
+    if args.max_len and args.max_len > limit:
+        warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions grows it)")
+    args.max_len = min(args.max_len or data.TASKS[args.task].max_len, limit)
+    r.task = data.load_task(args.task, data_dir, r.tok, max_len=args.max_len, **columns(args))
+    r.loss_fn, r.evaluate = objective(args.task)
+    # --- the model: the resumed checkpoint, --init (converted weights + the flags given) or from scratch
+    r.raw = build_model(cfg, resumed["model"], resumed["path"]) if resumed else make_model(args, r.tok, r.task, init)
+    init = None                                          # free the --init state dict
+    check_run(args, r.task, r.raw.cfg, data_dir)
+    if args.threads or r.device.type == "cpu":           # a small model's operations are too small to split
+        torch.set_num_threads(args.threads or (1 if r.raw.num_params() < 20e6 else len(os.sched_getaffinity(0))))
     r.raw.to(r.device)
-    if r.task.num_labels > 0:
-        r.raw.mlm.requires_grad_(False)           # heads that this task does not train stay out of the optimizer
-    elif r.raw.cls is not None:
-        r.raw.cls.requires_grad_(False)
-    r.model = torch.compile(r.raw) if args.compile else r.raw      # what runs the forward: compiled / DDP
-    if r.world > 1:
-        # frozen heads have requires_grad False, so only LayerDrop leaves trained parameters without a gradient
-        c = r.raw.cfg
+    (r.raw.mlm if r.task.num_labels > 0 else r.raw.cls or r.raw.mlm).requires_grad_(r.task.num_labels == 0)
+    r.model = torch.compile(r.raw) if args.compile else r.raw          # what runs the forward
+    if r.world > 1:                                      # LayerDrop leaves a skipped layer without gradients
         r.model = DDP(r.model, device_ids=[r.device.index] if r.device.type == "cuda" else None,
-                      find_unused_parameters=c.layerdrop > 0 or c.attn_layerdrop > 0)
+                      find_unused_parameters=r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0)
     r.model.train()
-    seed_everything(args.seed + r.rank)           # nanoGPT: every process draws its own dropout masks
-
+    seed_everything(args.seed + r.rank)                  # nanoGPT: every process draws its own dropout masks
     # --- the schedule: steps per epoch from the batch plan, total steps, warmup
-    micro = args.batch_size // args.grad_accum
-    if micro < r.world or args.batch_size % (args.grad_accum * r.world):
+    if args.batch_size // args.grad_accum < r.world or args.batch_size % (args.grad_accum * r.world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
              f"({args.grad_accum} x {r.world})")
     r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum
     if r.per_epoch == 0:
         fail(f"{len(r.task.train)} training examples make no full step of --batch-size {args.batch_size}")
-    r.total = args.max_steps if args.max_steps > 0 else max(1, int(args.epochs * r.per_epoch))
+    r.total = args.max_steps or max(1, int(args.epochs * r.per_epoch))
     r.warmup = int(args.warmup * r.total) if args.warmup < 1 else int(args.warmup)
     r.optimizer = make_optimizer(r.raw, args, r.device)
-    r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "skipped": 0, "wall": 0.0,
-               "dev": {}, "saved_step": None}     # saved_step: the step that ckpt_last.pt holds
-    r.paths = {name: os.path.join(args.out, name)
-               for name in ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "ckpt_best.pt", "final.json")}
-    clear_out(args)              # --overwrite: the old run goes only now, with the new one's data and model ready
+    r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0, "dev": {},
+               "saved_step": None}               # micro: the epoch's batches used; saved_step: in ckpt_last.pt
+    if is_main():                                        # the old run's files go only now, once all is ready
+        os.makedirs(args.out, exist_ok=True)
+        for path in r.paths.values() if not resumed else ():
+            if os.path.exists(path):
+                os.remove(path)
     if resumed:
         restore(r, resumed)
     if is_main():
         print(opening_line(r), flush=True)
     return r
 
-
-def opening_line(r):
-    """The run in one line: task and data sizes | model | method | steps, device, threads (and resume)."""
+def opening_line(r):                                     # task and data | model | method | steps, device, threads
     args, t, c = r.args, r.task, r.raw.cfg
     dev = " + ".join(f"{len(v)} {k}" for k, v in t.dev.items()) or "no dev"
     origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
-    dropout = {"attendout": "AttendOut attention dropout", "none": "no attention dropout",
-               "standard": f"attention dropout {c.attn_dropout_p:g}",
-               "scheduled": f"scheduled attention dropout ({c.schedule})"}[c.attn_dropout]
-    if c.attention != "dense" and c.attn_dropout != "none" and not (c.attn_dropout == "standard" and c.attn_dropout_p == 0):
-        # sparse.sparse_kernel takes PyTorch's fused attention only when nothing is dropped (1.5 -> 0.8 s a step
-        # for HST 2 x 64 at 1,000 tokens on one CPU thread, README): say so where a user sees the run
-        dropout += " (the sparse kernel's gather path; --attn-dropout none takes its fused one)"
-    method = [f"{c.attention} attention", dropout]
-    if args.sar > 0:
-        method.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
-    elif args.rdrop > 0:
-        method.append(f"R-Drop alpha {args.rdrop:g}")
+    method = [f"{c.attention} attention", attendout.METHODS[c.attn_dropout].format(p=c.attn_dropout_p, cfg=c)]
+    method += [f"SAR alpha {args.sar:g} shift {args.sar_shift}"] if args.sar > 0 else []
+    method += [f"R-Drop alpha {args.rdrop:g}"] if args.rdrop > 0 else []
     where = f"{r.total} steps on {r.device}" + (f" x {r.world} processes" if r.world > 1 else "")
-    if r.device.type == "cpu":
-        where += f", {r.threads} CPU thread{'s' if r.threads > 1 else ''} (--threads)"
+    where += f", {torch.get_num_threads()} CPU thread(s) (--threads)" if r.device.type == "cpu" else ""
     return (f"task {args.task}: {len(t.train)} train / {dev} examples | model {r.raw.num_params() / 1e6:.2f}M "
-            f"parameters ({c.num_layers} layer{'s' if c.num_layers > 1 else ''}, hidden {c.hidden_size}, {origin}) | {', '.join(method)} | {where}"
+            f"parameters ({c.num_layers} layers, hidden {c.hidden_size}, {origin}) | {', '.join(method)} | {where}"
             + (f"; resuming at step {r.state['step']}" if args.resume else ""))
 
-
-# flags that change the data stream or the schedule: --resume refuses a new value (the others may change)
-RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
-                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup")
-
-
 def read_resume(args):
-    """--resume: the run's ckpt_last.pt (config, weights, tokenizer, optimizer, state, RNGs), read as --init
-    reads a checkpoint; the run's own flags fill in every flag not given now. None without --resume."""
+    """--resume: ckpt_last.pt (config, weights, tokenizer, AdamW, state, RNGs); the run's flags fill in all not
+    given now, and those that fix the data stream or the schedule (RESUME_FIXED) may not change."""
+    path = os.path.join(args.out, "ckpt_last.pt")
     if not args.resume:
         return None
-    path = os.path.join(args.out, "ckpt_last.pt")
     if not os.path.exists(path):
         fail(f"--resume: {path} does not exist")
     cfg, state, tok_files, ckpt = read_checkpoint(path)
     if not all(k in ckpt for k in ("args", "train_state", "optimizer", "rng")):
-        fail(f"--resume: {path} is not a training checkpoint (no run state; a converted or exported model? "
-             "use it with --init)")
-    for k in RESUME_FIXED:             # the saved position in the epoch means something only in the same stream
-        if k in args.given and k in ckpt["args"] and getattr(args, k) != ckpt["args"][k]:
-            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's "
-                 f"{ckpt['args'][k]}; a resumed run keeps its data and schedule (start a new --out to change it)")
+        fail(f"--resume: {path} is not a training checkpoint (a converted or exported model? use it with --init)")
+    for k in RESUME_FIXED:
+        if k in args.given and getattr(args, k) != ckpt["args"].get(k):
+            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's {ckpt['args'].get(k)}"
+                 "; a resumed run keeps its data and schedule (start a new --out to change them)")
     for k, v in ckpt["args"].items():
         if k not in args.given and k not in ("resume", "device"):
             setattr(args, k, v)
     return {"path": path, "config": cfg, "model": state, "tokenizer": tok_files, "ckpt": ckpt}
 
-
-def restore(r, resumed):
-    """Continue where ckpt_last.pt stopped: AdamW, the loop state, this process's RNGs; logs written after
-    the checkpoint are dropped (the resumed run writes them again)."""
+def restore(r, resumed):                                 # AdamW, the loop state, this process's RNGs, the logs
     ckpt = resumed["ckpt"]
     r.optimizer.load_state_dict(ckpt["optimizer"])
     r.state.update(ckpt["train_state"])
-    rngs = ckpt["rng"]
-    if len(rngs) != r.world:
-        warn(f"--resume: the run had {len(rngs)} processes, now {r.world}: the data split and RNG streams change")
-    set_rng_state(rngs[r.rank % len(rngs)])
-    if is_main():
-        trim_log(r.paths["log.jsonl"], r.state["step"])
-        trim_log(r.paths["droprates.jsonl"], r.state["step"])
+    if len(ckpt["rng"]) != r.world:
+        warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG streams change")
+    set_rng_state(ckpt["rng"][r.rank % len(ckpt["rng"])])
+    for name in ("log.jsonl", "droprates.jsonl") if is_main() else ():
+        trim_log(r.paths[name], r.state["step"])         # a killed run may have logged past its checkpoint
 
-
-def epoch_batches(r, epoch):
-    """The epoch's batches as lists of example indices, a function of (seed, epoch) (data.batch_plan), so
-    resuming mid-epoch needs only state["micro"]. Each batch is padded when it is used (data.collate)."""
+def epoch_batches(r, epoch):                             # a function of (seed, epoch): resuming needs only "micro"
     plan = data.batch_plan([len(e.ids) for e in r.task.train], r.args.batch_size // r.args.grad_accum,
                            seed=r.args.seed, epoch=epoch)
     return [b for b in plan if len(b) >= r.world]
 
-
-# --- the loop -----------------------------------------------------------------
-
 def train(r):
-    """Optimizer steps until r.total (or Ctrl-C / SIGTERM). After each step: log it, evaluate on schedule
-    (which may write ckpt_best.pt), then write ckpt_last.pt on schedule; everything logged up to a step is
-    in that step's ckpt_last.pt.
-
-    The batches of an epoch are fixed by (seed, epoch) (epoch_batches); state["micro"] says how many of them
-    are used, so the loop can stop anywhere and a resumed run continues with the very next batch."""
+    """Optimizer steps until r.total or a stop. After each: log, evaluate (ckpt_best.pt) and save ckpt_last.pt
+    on their schedules, so everything logged up to a step is in that step's checkpoint."""
     args, state = r.args, r.state
-    use_bar = is_main() and sys.stderr.isatty()        # a log file gets plain lines instead of a progress bar
-    bar = tqdm(total=r.total, initial=state["step"], disable=not use_bar, dynamic_ncols=True, desc=args.task)
-    gnet_log = (DropRateLogger(r.paths["droprates.jsonl"], args.log_every, append=args.resume)
+    gnet_log = (attendout.DropRateLogger(r.paths["droprates.jsonl"], args.log_every, append=args.resume)
                 if r.raw.cfg.attn_dropout == "attendout" and is_main() else None)
-    meter = {"t0": time.time() - state["wall"], "seen": 0, "t_last": time.time(), "bad_in_row": 0}
-    batches, batches_epoch = None, None
-    with StopFlag(r.device, r.world) as stop:
-        while state["step"] < r.total and not stop.requested():
-            if batches_epoch != state["epoch"]:
-                batches, batches_epoch = epoch_batches(r, state["epoch"]), state["epoch"]
-            step = state["step"] + 1                    # the step being taken; log.jsonl counts steps from 1
-            numbers, epoch_done = train_step(r, batches, step, meter, bar)
-            if numbers is None:                         # a non-finite batch, skipped (--skip-nonfinite)
-                continue
+    meter = {"t0": time.time() - state["wall"], "seen": 0, "t_last": time.time()}
+    epoch, batches = None, None
+    with StopFlag() as stop:
+        while state["step"] < r.total and all_true(stop.signum is None, r.device, r.world):
+            if epoch != state["epoch"]:
+                epoch, batches = state["epoch"], epoch_batches(r, state["epoch"])
+            step = state["step"] + 1                     # the step being taken; the logs count from 1
+            numbers, epoch_done = train_step(r, batches, step, meter)
             state["step"] = step
-            bar.update(1)
-            log_step(r, step, numbers, meter, bar, use_bar)
-            if gnet_log is not None:
-                gnet_log.log(step, step / r.total, r.raw, last=step == r.total, **numbers.get("budget", {}))
-            if step == r.total and r.world > 1:
-                check_replicas(r.raw, r.device, r.world)
-            if step == r.total or (args.eval_every and step % args.eval_every == 0) or (not args.eval_every and epoch_done):
+            log_step(r, step, numbers, meter)
+            if gnet_log is not None:                     # AttendOut: each layer's mean drop rate (methods.md §3.1)
+                gnet_log.log(step, step / r.total, r.raw, last=step == r.total)
+            if step == r.total or (step % args.eval_every == 0 if args.eval_every else epoch_done):
                 if is_main():
-                    evaluate_and_keep_best(r, step, bar)
-                if r.world > 1:
-                    dist.barrier()
+                    evaluate_and_keep_best(r, step)
+                barrier()
             if step == r.total or (args.save_every and step % args.save_every == 0):
                 save_last(r, meter)
-        bar.close()
-        if state["step"] < r.total:                 # Ctrl-C / SIGTERM: save, say how to continue
-            r.stopped_by = stop.signum or signal.SIGTERM    # under torchrun: the process that was not signalled
+        if state["step"] < r.total:                      # Ctrl-C / SIGTERM (under torchrun: maybe another's)
+            r.stopped_by = stop.signum or signal.SIGTERM
             if state["saved_step"] != state["step"]:
                 save_last(r, meter)
             if is_main():
                 print(f"stopped at step {state['step']}: saved {r.paths['ckpt_last.pt']}; "
                       f"continue with --resume --out {args.out}")
 
-
-def train_step(r, batches, step, meter, bar):
-    """One optimizer step: forward and backward over --grad-accum micro-batches, clip, AdamW, and AttendOut's
-    budget. Returns (the step's numbers, or None if the batch was skipped as non-finite; epoch_done)."""
+def train_step(r, batches, step, meter):
+    """One optimizer step: forward and backward over --grad-accum micro-batches, clip, AdamW."""
     args, state = r.args, r.state
-    # the step's learning rates and training progress: both are pure functions of the step, so a resumed run
-    # (which restores the step) gets the same ones
-    lr_now = set_lr(r.optimizer, lr_factor(step - 1, r.total, r.warmup))   # warmup, then linear decay
-    r.raw.set_progress((step - 1) / r.total)    # scheduled dropout follows training progress
-    # forward and backward, one micro-batch at a time (gradients add up); under torchrun each process takes
-    # every world-th example of the batch, and DDP averages the gradients at the last micro-batch
-    loss_sum, parts, finite = 0.0, {}, True
-    for i in range(args.grad_accum):
-        # padded to the longest example; the model pads to its block size (and SAR shifts) itself
+    factor = lr_factor(step - 1, r.total, r.warmup)      # every group at factor x its own peak rate
+    for group in r.optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor
+    r.raw.set_progress((step - 1) / r.total)             # scheduled dropout follows training progress
+    loss_sum, parts = 0.0, {}
+    for i in range(args.grad_accum):                     # gradients add up over the micro-batches
+        # padded to the longest example; under torchrun each process takes every world-th example
         batch = data.collate([r.task.train[j] for j in batches[state["micro"] + i]], r.tok.pad_id)
         batch = {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in batch.items()}
         meter["seen"] += batch["input_ids"].size(0) * r.world
-        sync = i == args.grad_accum - 1 or r.world == 1
+        sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages the gradients at the last micro-batch
         with (nullcontext() if sync else r.model.no_sync()), autocast(r.device):
-            loss, parts = r.kind.loss(r.model, batch, args, r.task, r.tok)    # the task's objective (tasks.py)
-        finite = all_true(torch.isfinite(loss.detach()), r.device, r.world)
-        if not finite:
-            break
+            loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)       # the task's objective, section 3
         (loss / args.grad_accum).backward()
         loss_sum += loss.item() / args.grad_accum
-    # the batches are consumed, stepped or skipped; the epoch ends when no full step is left
-    state["micro"] += args.grad_accum
+    state["micro"] += args.grad_accum                    # the epoch ends when no full step is left in it
     epoch_done = state["micro"] + args.grad_accum > len(batches)
     if epoch_done:
         state["epoch"], state["micro"] = state["epoch"] + 1, 0
-    norms, what = None, "loss"
-    if finite:
-        # clip (or, with --clip 0, only measure): a finite loss can still give inf/NaN gradients
-        norms = clip_gradients(r.raw, args.clip)
-        finite, what = all(math.isfinite(n) for n in norms.values()), "gradient"
-    if not finite:
-        r.optimizer.zero_grad(set_to_none=True)
-        if not args.skip_nonfinite:
-            bar.close()
-            stop_nonfinite(r, f"non-finite {what} at step {step} (lr {lr_now:.3g})")
-        state["skipped"] += 1
-        meter["bad_in_row"] += 1
-        warn(f"non-finite {what} at step {step}: batch skipped ({state['skipped']} so far)")
-        if meter["bad_in_row"] > r.per_epoch:
-            stop_nonfinite(r, f"non-finite loss on every batch for a whole epoch (step {step})")
-        return None, epoch_done
-    meter["bad_in_row"] = 0
-    # the update: AdamW on the backbone and heads (and the G-Nets, at their own rate, with reversed gradients)
-    r.optimizer.step()
+    norms = clip_gradients(r.optimizer, args.clip)
+    what = "loss" if not math.isfinite(loss_sum) else "gradient" if not all(map(math.isfinite, norms.values())) else ""
+    if not all_true(not what, r.device, r.world):        # stop at once: nothing non-finite is ever saved
+        saved = state["saved_step"]
+        fail(f"non-finite {what or 'loss'} at step {step} (lr {factor * args.lr:.3g}); last good checkpoint: "
+             + (f"{r.paths['ckpt_last.pt']} (step {saved})" if saved else "none written yet") + "; lower --lr", 1)
+    r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets (reversed gradients)
     r.optimizer.zero_grad(set_to_none=True)
-    numbers = {"loss": loss_sum, "lr": lr_now, **norms, **parts}
-    if r.raw.cfg.attn_dropout == "attendout":
-        # AttendOut's budget (methods.md §3.1): shift every G-Net bias so the mean drop rate is back at rho
-        held = hold_budget(r.raw, all_reduce_sum)
-        if held is not None:
-            numbers["drop"] = held[0]
-            numbers["budget"] = {"mean": held[0], "shift": held[1]}
+    numbers = {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}
+    if r.raw.cfg.attn_dropout == "attendout":            # the mean drop rate the budget holds (methods.md §3.1)
+        numbers["drop"] = attendout.mean_drop_rate(r.raw)
     return numbers, epoch_done
 
-
-def log_step(r, step, numbers, meter, bar, use_bar):
-    """Every --log-every steps: a log.jsonl line and the console line, with the loss in its parts."""
-    if not (step % r.args.log_every == 0 or step == r.total):
+def log_step(r, step, numbers, meter):                   # every --log-every steps: log.jsonl and the console
+    if step % r.args.log_every and step != r.total:
         return
     now = time.time()
-    rate = meter["seen"] / max(now - meter["t_last"], 1e-9)
-    meter["seen"], meter["t_last"] = 0, now
-    rec = {"step": step, **{k: v for k, v in numbers.items() if k != "budget"}, "examples_per_s": rate}
-    append_jsonl(r.paths["log.jsonl"], rec)
-    shown = console_parts(numbers, r.args)
-    bar.set_postfix_str(", ".join(shown) + f", {rate:.0f} ex/s")
-    if is_main() and not use_bar:
-        print(f"step {step}/{r.total}: " + ", ".join(shown) + f", lr {numbers['lr']:.2e}, {rate:.0f} examples/s",
-              flush=True)
+    rate, meter["seen"], meter["t_last"] = meter["seen"] / max(now - meter["t_last"], 1e-9), 0, now
+    append_jsonl(r.paths["log.jsonl"], {"step": step, **numbers, "examples_per_s": rate})
+    shown = [f"loss {numbers['loss']:.4f}"]
+    if "ce" in numbers:                                  # SAR / R-Drop: loss = ce + alpha x consistency
+        name, alpha = ("SAR", r.args.sar) if r.args.sar > 0 else ("R-Drop", r.args.rdrop)
+        shown[0] += f" = ce {numbers['ce']:.4f} + alpha {alpha:g} x {name} consistency {numbers['consistency']:.4f}"
+    shown += [f"drop rate {numbers['drop']:.3f}"] if "drop" in numbers else []     # AttendOut's mean rate
+    if is_main():
+        print(f"step {step}/{r.total}: {', '.join(shown)}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s", flush=True)
 
-
-def console_parts(numbers, args):
-    """The loss as the reader should see it: task loss, consistency term and drop rate apart, not only summed."""
-    shown = []
-    if "ce" in numbers:          # SAR / R-Drop: loss = ce + alpha x consistency, written out as that sum
-        alpha = args.sar if args.sar > 0 else args.rdrop
-        shown.append(f"loss {numbers['loss']:.4f} = ce {numbers['ce']:.4f} + alpha {alpha:g} x "
-                     f"{'SAR' if args.sar > 0 else 'R-Drop'} consistency {numbers['consistency']:.4f}")
-    else:
-        shown.append(f"loss {numbers['loss']:.4f}")
-    if "drop" in numbers:        # AttendOut: the mean drop rate the budget holds
-        shown.append(f"drop rate {numbers['drop']:.3f}")
-    return shown
-
-
-def evaluate_and_keep_best(r, step, bar):
-    """Dev metrics (rank 0; with --eval-shift / --eval-redraw, again under each perturbed topology), logged; a
-    better main metric (on the original topology) writes ckpt_best.pt."""
+def evaluate_and_keep_best(r, step):
+    """Dev metrics (and each --eval-shift's), logged; a better main metric writes ckpt_best.pt."""
     args, task, state = r.args, r.task, r.state
     if not task.dev:
         return
-    metrics = r.kind.evaluate(r.raw, task, args, r.device, r.tok)       # the task's metrics (tasks.py)
-    add_perturbed(r, metrics)
+    metrics = r.evaluate(r.raw, task, args, r.device, r.tok)
+    shifts = sar.eval_shifts(args.eval_shift, r.raw.cfg.attention != "dense", r.raw.cfg.block_size)
+    sar.add_shifted(metrics, {s: r.evaluate(r.raw, task, args, r.device, r.tok, shift_by=s) for s in shifts},
+                    lower_is_better=task.metric_name == "loss")            # --eval-shift, methods.md §2.3
     append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
     state["dev"] = metrics
-    score = main_metric(metrics, task)
-    if (state["best"] is None or score > state["best"]) and weights_finite(r.raw):
+    v = metrics[next(iter(metrics))][task.metric_name]   # the main metric, on the first dev split
+    score = -v if task.metric_name == "loss" else v      # higher is better (the LM's loss: lower)
+    if state["best"] is None or score > state["best"]:
         state["best"], state["best_step"] = score, step
-        save_checkpoint(r.paths["ckpt_best.pt"], r.raw, r.tok, r.optimizer, state, args, [rng_state()])
-    bar.write(f"step {step}: " + "; ".join(f"{split} {tasks.show_metrics(args.task, m)}" for split, m in metrics.items()))
+        save_checkpoint(r, r.paths["ckpt_best.pt"], [rng_state()])
+    print(f"step {step}: " + "; ".join(f"{split} {show_metrics(args.task, m)}" for split, m in metrics.items()))
 
+def show_value(task_name, metric, v):                    # "83.4%" for the task's percent metrics, else "0.5120"
+    t = data.TASKS[task_name]
+    return f"{v * t.scale:.1f}%" if metric in t.percent else f"{v}" if isinstance(v, int) else f"{v:.4f}"
 
-def eval_shifts(args, cfg):
-    """The shifts --eval-shift scores: N alone, or (all) every s = 1 .. b-1; dense attention has no block
-    boundary to move, so there 'all' scores s = 1 alone (check_flags warns)."""
-    if args.eval_shift != "all":
-        return [args.eval_shift] if args.eval_shift else []
-    return [1] if cfg.attention == "dense" else list(range(1, cfg.block_size))
+def show_metrics(task_name, metrics):                    # "acc 83.4%, f1 80.2% | shifted mean acc 82.9% worst .."
+    plain = lambda ms: ", ".join(f"{m} {show_value(task_name, m, v)}" for m, v in ms.items() if m != "shift")
+    shifted = metrics.get("shift")
+    return plain(metrics) + (f" | shifted mean {plain(shifted['mean'])} worst {plain(shifted['worst'])}"
+                             if shifted else "")
 
-
-def eval_redraws(args, cfg):
-    """The other random-block draws --eval-redraw scores (1 .. K; none without random blocks)."""
-    return list(range(1, args.eval_redraw + 1)) if cfg.attention != "dense" and cfg.num_random > 0 else []
-
-
-def add_perturbed(r, metrics):
-    """The dev metrics under each perturbed topology (methods.md §2.3): every shift of eval_shifts (sar.shift,
-    the task's evaluate(shift_by=s)) and every draw of eval_redraws (model.Model.set_eval_draw), added to each
-    split's metrics as metrics[split]["shift" / "redraw"] = {"by": {s: {metric: v}}, "mean": {..}, "worst": {..}}."""
-    args, raw = r.args, r.raw
-    score = lambda **kw: r.kind.evaluate(raw, r.task, args, r.device, r.tok, **kw)
-    runs = {"shift": {s: score(shift_by=s) for s in eval_shifts(args, raw.cfg)}, "redraw": {}}
-    try:
-        for k in eval_redraws(args, raw.cfg):
-            raw.set_eval_draw(k)
-            runs["redraw"][k] = score()
-    finally:
-        raw.set_eval_draw(0)
-    for perturbation, by in runs.items():
-        for split in (metrics if by else ()):
-            per = {str(p): m[split] for p, m in by.items()}
-            metrics[split][perturbation] = {"by": per, **summarise(per.values())}
-
-
-# lower is better for these metrics (masked LM), higher for every other
-LOWER_IS_BETTER = ("loss", "ppl")
-
-
-def summarise(runs):
-    """{"mean": {metric: mean}, "worst": {metric: worst}} over perturbed evaluations' metrics (counts skipped)."""
-    runs = list(runs)
-    names = [k for k, v in runs[0].items() if isinstance(v, float)]
-    worst = lambda k, vs: max(vs) if k in LOWER_IS_BETTER else min(vs)
-    return {"mean": {k: float(np.mean([m[k] for m in runs])) for k in names},
-            "worst": {k: worst(k, [m[k] for m in runs]) for k in names}}
-
-
-def save_last(r, meter):
-    """ckpt_last.pt: everything --resume needs. Every process calls it (their RNG states are gathered)."""
-    if not all_true(weights_finite(r.raw), r.device, r.world):
-        stop_nonfinite(r, f"non-finite weights after step {r.state['step']}")
-    r.state["wall"] = time.time() - meter["t0"]
+def save_last(r, meter):                                 # every process calls it: their RNG states are gathered
+    r.state["wall"], r.state["saved_step"] = time.time() - meter["t0"], r.state["step"]
     rngs = gather_rng_states(r.world)
     if is_main():
-        save_checkpoint(r.paths["ckpt_last.pt"], r.raw, r.tok, r.optimizer,
-                        {**r.state, "saved_step": r.state["step"]}, r.args, rngs)
-    r.state["saved_step"] = r.state["step"]
-
-
-def stop_nonfinite(r, what):
-    s = r.state["saved_step"]
-    good = f"{r.paths['ckpt_last.pt']} (step {s})" if s is not None else "none written yet"
-    fail(f"{what}; last good checkpoint: {good}; lower --lr, or pass --skip-nonfinite to skip such batches", code=1)
-
-
-# --- the report -----------------------------------------------------------------
-
-def majority_baseline(task, task_name):
-    """The task's main metric for always predicting the most common training label, on the first dev split
-    (so a CoLA run compares its MCC with the majority class's MCC, 0, not with its accuracy)."""
-    if task.is_regression or not task.label_names or not task.dev:     # regression, masked LM, QA spans: none
-        return None
-    counts = np.bincount([e.label for e in task.train], minlength=task.num_labels)
-    labels = np.array([e.label for e in next(iter(task.dev.values()))])
-    return data.compute_metrics(task_name, np.full_like(labels, int(counts.argmax())), labels)[task.metric_name]
-
+        save_checkpoint(r, r.paths["ckpt_last.pt"], rngs)
 
 def report(r):
-    """final.json and the summary line: the last and the best dev score, beside the majority-class baseline."""
-    args, task, state = r.args, r.task, r.state
-    metrics, best = state["dev"], state["best"]
-    final = {"task": args.task, "metric": task.metric_name, "dev": metrics,
-             "best_dev": -best if best is not None and task.metric_name == "loss" else best,
-             "best_step": state["best_step"], "steps": state["step"], "skipped_batches": state["skipped"],
-             "wall_time_s": round(state["wall"], 2), "majority_baseline": majority_baseline(task, args.task),
-             "config": asdict(r.raw.cfg), "args": public_args(args)}
+    """final.json and the last line: the last and the best dev score, beside the majority class's."""
+    args, task, state, name = r.args, r.task, r.state, r.task.metric_name
+    majority = None
+    if task.label_names and not task.is_regression and task.dev:     # always the commonest training label
+        labels = np.array([e.label for e in next(iter(task.dev.values()))])
+        common = np.bincount([e.label for e in task.train], minlength=task.num_labels).argmax()
+        majority = data.compute_metrics(args.task, np.full_like(labels, common), labels)[name]
+    best = None if state["best"] is None else -state["best"] if name == "loss" else state["best"]
+    final = {"task": args.task, "metric": name, "dev": state["dev"], "best_dev": best, "best_step": state["best_step"],
+             "steps": state["step"], "wall_time_s": round(state["wall"], 2), "majority_baseline": majority,
+             "config": asdict(r.raw.cfg), "args": {k: v for k, v in vars(args).items() if k != "given"}}
     with open(r.paths["final.json"], "w") as f:
         json.dump(final, f, indent=1)
-    line = f"done in {state['wall']:.0f}s, {state['step']} steps"
-    name = task.metric_name
-    show = lambda v: tasks.show_value(args.task, name, v)              # "34.8%", "0.5120" (mcc, loss)
-    if metrics:
-        split = next(iter(metrics))
-        line += f": {split} {name} {show(metrics[split][name])} at the last step"
-        if final["best_dev"] is not None:
-            line += f", best {show(final['best_dev'])} at step {final['best_step']}"
-    if final["majority_baseline"] is not None:
-        line += f" (majority-class baseline: {name} {show(final['majority_baseline'])})"
+    show, line = lambda v: show_value(args.task, name, v), f"done in {state['wall']:.0f}s, {state['step']} steps"
+    if state["dev"]:
+        split = next(iter(state["dev"]))
+        line += f": {split} {name} {show(state['dev'][split][name])} at the last step"
+        line += f", best {show(best)} at step {state['best_step']}" if best is not None else ""
+    line += f" (majority-class baseline: {name} {show(majority)})" if majority is not None else ""
     print(line + f"; results in {r.paths['final.json']}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
-"""Tests for data.py: tokenizers equal transformers' own, GLUE/generic readers, metrics by hand, the LRA
-ListOps generator against an independent evaluator, MLM masking rates and deterministic batching.
+"""Tests for data.py: tokenizers equal transformers' own, GLUE/generic readers (and their one-line errors), the
+task table, metrics by hand, the LRA ListOps generator against an independent evaluator, MLM masking rates and
+deterministic batching.
 
 Run: python -m pytest tests/test_data.py -q
 All fixtures (vocabularies, SentencePiece models, GLUE files) are written into tmp_path by the tests.
@@ -10,14 +11,17 @@ import json
 import math
 import os
 import random
+import re
 import shutil
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import data  # noqa: E402
 from data import DataError, Example  # noqa: E402
 
@@ -99,21 +103,24 @@ def test_roberta_tokenizer_matches_transformers(roberta_dir, tmp_path):
     from transformers import RobertaTokenizerFast
     # transformers 5 ignores vocab_file=/merges_file= in the constructor; from_pretrained reads the files
     hf = RobertaTokenizerFast.from_pretrained(str(roberta_dir))
-    ours = data.load_tokenizer(str(roberta_dir))  # vocab.json + merges.txt path
+    saved = tmp_path / "saved"
+    hf.save_pretrained(str(saved))
+    assert (saved / "tokenizer.json").exists()
+    ours = data.load_tokenizer(str(saved))  # tokenizer.json path (what every RoBERTa checkpoint ships)
     _assert_same(ours, hf)
     assert (ours.pad_id, ours.cls_id, ours.sep_id, ours.mask_id) == (
         hf.pad_token_id, hf.cls_token_id, hf.sep_token_id, hf.mask_token_id)
     assert ours.vocab_size == len(hf)
     assert ours.encode_plus("a b", "c")[0][:1] == [0] and ours.encode("a", "b").count(2) == 3  # <s> A </s></s> B </s>
-    saved = tmp_path / "saved"
-    hf.save_pretrained(str(saved))
-    assert (saved / "tokenizer.json").exists()
-    ours_json = data.load_tokenizer(str(saved))  # tokenizer.json path
-    _assert_same(ours_json, hf)
-    assert ours_json.decode(ours_json.encode("the cat sat")) == "the cat sat"
+    assert ours.decode(ours.encode("the cat sat")) == "the cat sat"
+    long_a = " ".join(["the cat"] * 20)                     # truncation: HF's longest_first, the specials kept
+    ref = hf(long_a, "the mat", truncation=True, max_length=12)["input_ids"]
+    assert ours.encode_plus(long_a, "the mat", max_len=12)[0] == ref and len(ref) == 12
     pt = tmp_path / "ck.pt"
-    _save_pt(pt, ours_json)
+    _save_pt(pt, ours)
     _assert_same(data.load_tokenizer(str(pt)), hf)
+    with pytest.raises(DataError, match="no supported tokenizer files"):   # vocab.json + merges.txt alone
+        data.load_tokenizer(str(roberta_dir))
 
 
 def test_bert_tokenizer_matches_transformers(bert_dir, tmp_path):
@@ -228,7 +235,7 @@ def bert_tok(bert_dir):
     return data.load_tokenizer(str(bert_dir))
 
 
-@pytest.mark.parametrize("task", list(data.TASKS))
+@pytest.mark.parametrize("task", list(data.GLUE))
 def test_glue_formats(task, tmp_path, bert_tok):
     d = _write_glue(tmp_path, task)
     td = data.load_task(task, str(d), bert_tok, max_len=64)
@@ -254,7 +261,7 @@ def test_glue_formats(task, tmp_path, bert_tok):
         assert td.n_truncated == 2 and all(len(e.ids) <= 4 and e.ids[-1] == bert_tok.sep_id for e in td.train)
 
 
-TASK_HAS_PAIR = {t: spec["pair"] is not None for t, spec in data.TASKS.items()}
+TASK_HAS_PAIR = {t: spec["cols"][1] is not None for t, spec in data.GLUE.items()}
 
 
 @pytest.mark.parametrize("task, text, problem", [
@@ -299,9 +306,6 @@ def test_generic_tsv_csv_jsonl(tmp_path, bert_tok):
     td = data.load_task("tsv", str(d), bert_tok, max_len=32, text_col="text", label_col="label")
     assert td.label_names == ["neg", "neutral", "pos"] and [e.label for e in td.train] == [2, 0, 1]
     assert td.dev["dev"][0].label == 0 and td.num_labels == 3 and td.metric_name == "acc"
-    # same file by 0-based indices and an explicit header
-    ex, labels, _ = data.load_generic(str(d / "train.tsv"), bert_tok, text_col=0, label_col=2, header=True)
-    assert labels == ["neg", "neutral", "pos"] and [e.label for e in ex] == [2, 0, 1]
     # sst2-like `label<TAB>sentence`, no header, numeric labels sorted numerically
     (tmp_path / "simple.tsv").write_text("10\tthe cat\n2\ta dog\n0\tthe mat\n")
     ex, labels, _ = data.load_generic(str(tmp_path / "simple.tsv"), bert_tok, text_col="1", label_col="0")
@@ -329,6 +333,54 @@ def test_generic_tsv_csv_jsonl(tmp_path, bert_tok):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(DataError, match="e.jsonl:1: empty file"):
         data.load_generic(str(tmp_path / "e.jsonl"), bert_tok, text_col="t", label_col="y")
+
+
+def test_tsv_without_columns_names_the_flags_and_the_file(tmp_path):
+    """--task tsv without --text-col / --label-col: one DataError naming both flags and the file (it was a
+    TypeError traceback, from the reader that collects the texts a from-scratch tokenizer trains on)."""
+    (tmp_path / "train.tsv").write_text("text\tlabel\na cat\t1\na dog\t0\n")
+    for cols in ({}, {"text_col": "text"}, {"label_col": "label"}):
+        with pytest.raises(DataError) as err:
+            data.training_texts("tsv", str(tmp_path), **cols)
+        assert str(err.value) == (f"{tmp_path / 'train.tsv'}: --task tsv needs --text-col and --label-col "
+                                  "(header names or 0-based indices)")
+        with pytest.raises(DataError, match="--text-col and --label-col"):
+            data.load_task("tsv", str(tmp_path), None, max_len=32, **cols)
+
+
+def test_csv_with_an_unbalanced_quote_names_the_line(tmp_path, bert_tok):
+    """A quote that never closes would swallow the rest of the file into one field: one DataError naming the
+    file and the line where the quoted field opens."""
+    path = tmp_path / "train.csv"
+    path.write_text('text,label\na cat,1\n"a dog,0\nthe mat,1\nthe sun,0\n')     # opens on line 3
+    with pytest.raises(DataError, match=re.escape(f"{path}:3: a quoted field opens here and never closes")):
+        data.read_generic(str(path), ("text", None, "label"))
+    path.write_text('text,label\na cat,"1\nthe mat,1\n')                          # in the last column
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: a quoted field opens here and never closes")):
+        data.load_generic(str(path), bert_tok, text_col="text", label_col="label")
+    path.write_text('text,label\n"a cat" sat,1\n')                                  # text after a closing quote
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: bad quoting")):
+        data.read_generic(str(path), ("text", None, "label"))
+    path.write_text('text,label\n"a cat\non two lines",1\nthe mat,0\n')            # a closed quote spans lines
+    records, _ = data.read_generic(str(path), ("text", None, "label"))
+    assert [(w, t) for w, t, _, _ in records] == [(f"{path}:2", "a cat\non two lines"), (f"{path}:4", "the mat")]
+
+
+def test_task_table():
+    """Every task names its objective, head and metric; LRA and QA are read by readers/, loaded on first use."""
+    assert set(data.TASKS) == set(data.GLUE) | {"tsv", "listops", "mlm", "squad", "lra-text", "lra-retrieval",
+                                                "lra-image", "lra-pathfinder"}
+    heads = {"classify": "cls", "pair": "pair", "mlm": "cls", "span": "span"}
+    for name, t in data.TASKS.items():
+        assert t.objective in heads and t.head == heads[t.objective], name
+    assert [n for n, t in data.TASKS.items() if t.objective != "classify"] == ["lra-retrieval", "squad", "mlm"]
+    assert data.TASKS["cola"].metric == "mcc" and data.TASKS["stsb"].metric == "pearson"
+    assert data.TASKS["lra-text"].max_len == 4001 and data.TASKS["lra-image"].max_len == 1025
+    assert isinstance(data.fixed_tokenizer("lra-image"), data.ByteTokenizer) and data.fixed_tokenizer("sst2") is None
+    assert data.TASKS["squad"].percent == ("em", "f1") and data.TASKS["squad"].scale == 1.0
+    out = subprocess.run([sys.executable, "-c", "import data, sys; print(sorted(m for m in sys.modules "
+                          "if m.startswith('readers')))"], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr                                # not imported with data
 
 
 def test_mlm_task(tmp_path, bert_tok):
@@ -418,8 +470,8 @@ def test_listops_generator(tmp_path):
         assert not tokens and isinstance(tree, tuple) and tree[1] == "]"
         ops.update(t for t in source.split() if t.startswith("["))
     assert ops == {"[MIN", "[MAX", "[MED", "[SM"}
-    with pytest.raises(DataError, match="holds no possible length"):
-        data.generate_listops(5, 2, 4, seed=0)
+    with pytest.raises(DataError, match="no new sample"):  # no length in 2 < n < 4 exists (1, then 4..)
+        data.generate_listops(5, 2, 4, seed=0, max_misses=20000)
     with pytest.raises(DataError, match="no new sample"):  # only 4 ops x 100 = 400 trees of length 4
         data.generate_listops(500, 3, 5, seed=0, max_misses=20000)
 

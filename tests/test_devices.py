@@ -6,14 +6,14 @@ tensors, G-Net noise, SAR's inserted padding.
 
 Meta tensors hold no values, so the few places that read one (the dense fast-path test `bool(key_mask.all())`,
 the position-id check `int(...)`, logged numbers `.item()`) get a stand-in answer here (`values_on_meta`).
-Not covered: masked-LM, whose masking runs on the CPU by design (tasks.mlm_loss moves ids to the CPU), and the
+Not covered: masked-LM, whose masking runs on the CPU by design (train.mlm_loss moves ids to the CPU), and the
 eval generator (torch.Generator has no meta device; it is built on the input's device, Attention.eval_generator).
 Run: python -m pytest tests/test_devices.py -q
 """
 import pytest
 import torch
 
-import tasks
+import train
 from helpers import train_args
 from tests.test_precision import ATTENTIONS, DROPOUTS, LOSS_FLAGS, TOK, tiny_batch, tiny_model, tiny_task
 
@@ -39,11 +39,11 @@ def on_meta(attention, attn_dropout):
 @pytest.mark.parametrize("attn_dropout", DROPOUTS)
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_train_step_on_meta(attention, attn_dropout, loss, values_on_meta):
-    """The task's training loss (tasks.py: task loss, SAR, R-Drop, G-Net budget) and backward, everything on meta."""
+    """The task's training loss (train.objective: task loss, SAR, R-Drop, G-Net) and backward, everything on meta."""
     model = tiny_model(attention, attn_dropout, "cls").to("meta")
     batch = {k: v.to("meta") for k, v in tiny_batch("cls").items()}
     args = train_args(*LOSS_FLAGS[loss])
-    value, _ = tasks.kind(args.task).loss(model, batch, args, tiny_task("cls"), TOK)
+    value, _ = train.objective(args.task)[0](model, batch, args, tiny_task("cls"), TOK)
     value.backward()
     assert value.device.type == "meta"
     assert all(p.grad.device.type == "meta" for p in model.parameters() if p.grad is not None)

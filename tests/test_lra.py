@@ -1,4 +1,4 @@
-"""Tests of lra.py: each Long Range Arena reader on a tiny fixture in its release's format, the pair head, the
+"""Tests of readers/lra.py: each Long Range Arena reader on a tiny fixture in its release's format, the pair head, the
 bad-input errors, and a 2-step run of every task through train.main on dense, sparse and HST attention.
 
 The fixtures are written here, byte by byte as the releases lay them out (aclImdb folders, AAN TSV rows,
@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import data
-import lra
-import tasks
+from readers import lra
 from test_train import check_eval_shift_all, run_main
 from model import Config, Model, PairHead
 
@@ -103,20 +102,20 @@ def folders(tmp_path_factory):
 
 def test_text_reader_bytes_labels_lengths(tmp_path):
     texts = write_imdb(str(tmp_path))
-    task = tasks.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=4000)
+    task = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=4000)
     assert len(task.train) == 8 and len(task.dev["dev"]) == 8 and task.num_labels == 2
     first = task.train[0]                                   # neg/0_2.txt: neg first, sorted file names
     raw = texts[("train", "neg", 0)].encode("utf-8")
     assert list(first.ids) == [2] + [b + OFF for b in raw] and first.label == 0
     assert len(raw) == len(texts[("train", "neg", 0)]) + 1  # the 2-byte character counts as 2 ids
     assert [e.label for e in task.train] == [0] * 4 + [1] * 4
-    cut = tasks.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=10)
+    cut = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=10)
     assert all(len(e.ids) == 10 for e in cut.train) and cut.n_truncated == 16
 
 
 def test_retrieval_reader_pairs(tmp_path):
     write_aan(str(tmp_path))
-    task = tasks.load_task("lra-retrieval", str(tmp_path), data.ByteTokenizer(), max_len=4000)
+    task = data.load_task("lra-retrieval", str(tmp_path), data.ByteTokenizer(), max_len=4000)
     assert task.head == "pair" and set(task.dev) == {"dev", "test"}
     e = task.train[3]
     assert e.label == 1
@@ -140,7 +139,7 @@ def gray_reference(rgb):
 
 def test_image_reader_grayscale_and_split(tmp_path):
     records = write_cifar(str(tmp_path))
-    task = tasks.load_task("lra-image", str(tmp_path), data.ByteTokenizer(), max_len=1025)
+    task = data.load_task("lra-image", str(tmp_path), data.ByteTokenizer(), max_len=1025)
     assert len(task.train) == 18 and len(task.dev["dev"]) == 2 and len(task.dev["test"]) == 4   # 90% / 10% / test
     for e, (_, label, rgb) in zip(task.train + task.dev["dev"], records):
         ref = gray_reference(rgb.reshape(-1, 3).astype(np.float64))
@@ -154,7 +153,7 @@ def test_image_reader_grayscale_and_split(tmp_path):
 
 def test_pathfinder_reader(tmp_path):
     items = write_pathfinder(str(tmp_path))
-    task = tasks.load_task("lra-pathfinder", str(tmp_path), data.ByteTokenizer(), max_len=1025)
+    task = data.load_task("lra-pathfinder", str(tmp_path), data.ByteTokenizer(), max_len=1025)
     assert len(task.train) == 8 and len(task.dev["dev"]) == 1 and len(task.dev["test"]) == 1
     for e, (px, y) in zip(task.train + task.dev["dev"] + task.dev["test"], items):
         assert list(e.ids) == [2] + [int(p) + OFF for p in px.reshape(-1)] and e.label == y
@@ -167,20 +166,20 @@ def test_bad_inputs_name_file_and_line(tmp_path):
     tok = data.ByteTokenizer()
     write_aan(str(tmp_path / "aan"), bad_row="1.0\tA\tB\tonly four columns\n")
     with pytest.raises(data.DataError, match=r"new_aan_pairs\.train\.tsv:9: expected 5 columns"):
-        tasks.load_task("lra-retrieval", str(tmp_path / "aan"), tok, max_len=100)
+        data.load_task("lra-retrieval", str(tmp_path / "aan"), tok, max_len=100)
     write_aan(str(tmp_path / "aan2"), bad_row="2.0\tA\tB\tt1\tt2\n")
     with pytest.raises(data.DataError, match=r"new_aan_pairs\.train\.tsv:9: label '2\.0' is not 0 or 1"):
-        tasks.load_task("lra-retrieval", str(tmp_path / "aan2"), tok, max_len=100)
+        data.load_task("lra-retrieval", str(tmp_path / "aan2"), tok, max_len=100)
     write_pathfinder(str(tmp_path / "pf"), bad_size_at=3)
     with pytest.raises(data.DataError, match=r"metadata/0\.npy:4: .*sample_3\.png: image is 16 x 16, expected 32 x 32"):
-        tasks.load_task("lra-pathfinder", str(tmp_path / "pf"), tok, max_len=1025)
+        data.load_task("lra-pathfinder", str(tmp_path / "pf"), tok, max_len=1025)
     write_cifar(str(tmp_path / "c"))
     with open(tmp_path / "c" / "data_batch_2.bin", "ab") as f:
         f.write(b"\x00" * 10)                                              # a cut record
     with pytest.raises(data.DataError, match=r"data_batch_2\.bin: .* not a whole number of 3073-byte records"):
-        tasks.load_task("lra-image", str(tmp_path / "c"), tok, max_len=1025)
+        data.load_task("lra-image", str(tmp_path / "c"), tok, max_len=1025)
     with pytest.raises(data.DataError, match="pixel intensities"):
-        tasks.load_task("lra-image", str(tmp_path / "c"), data.ListOpsTokenizer(), max_len=1025)
+        data.load_task("lra-image", str(tmp_path / "c"), data.ListOpsTokenizer(), max_len=1025)
 
 
 # -----------------------------------------------------------------------------
@@ -250,13 +249,3 @@ def test_bad_row_through_train_is_one_line(tmp_path, capfd):
     code, _, lines = run_main(["--task", "lra-retrieval", "--data", str(tmp_path / "aan"), "--out", str(tmp_path / "o"),
                         "--max-steps", "1", *TINY], capfd)
     assert code == 2 and lines == [f"error: {tmp_path / 'aan' / 'new_aan_pairs.train.tsv'}:9: label 'x' is not 0 or 1"]
-
-
-def test_data_cli_describes_a_folder(folders, capsys):
-    tasks.main(["lra-pathfinder", folders["lra-pathfinder"]])
-    out = json.loads(capsys.readouterr().out)
-    assert out["train"] == {"examples": 8, "mean_len": 1025.0, "max_len": 1025, "labels": [4, 4]}
-    assert out["dev"]["examples"] == 1 and out["test"]["examples"] == 1
-    tasks.main(["lra-text", folders["lra-text"], "--max-len", "12"])
-    out = json.loads(capsys.readouterr().out)
-    assert out["truncated"] == 16 and out["train"]["max_len"] == 12 and out["dev"]["labels"] == [4, 4]

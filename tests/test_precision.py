@@ -1,4 +1,4 @@
-"""Mixed precision on the CPU: one training step (forward, the task's loss from tasks.py, backward) under bf16 autocast,
+"""Mixed precision on the CPU: one training step (forward, the task's loss from train.py, backward) under bf16 autocast,
 for every combination train.py allows, against the same step in fp32.
 
 Why on the CPU: train.py runs bf16 autocast on CUDA, and no GPU has been lent to this project; dtype
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import data
-import tasks
+import train
 from helpers import train_args
 from model import Config, Model
 
@@ -62,14 +62,14 @@ def tiny_task(task):
 
 
 def step(model, batch, loss, task, bf16):
-    """The training step's loss (the task's entry in tasks.TASKS: listops for "cls", mlm), fp32 or under CPU bf16
+    """The training step's loss (train.objective: listops for "cls", mlm), fp32 or under CPU bf16
     autocast -> (loss, flat fp32 gradient)."""
     args = train_args("--task", "listops" if task == "cls" else "mlm", *LOSS_FLAGS[loss])
     task_data = tiny_task(task)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(123)                            # the same masks, blocks and noise in both precisions
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        value, _ = tasks.kind(args.task).loss(model, batch, args, task_data, TOK)
+        value, _ = train.objective(args.task)[0](model, batch, args, task_data, TOK)
     value.backward()
     grads = [p.grad.float().flatten() for p in model.parameters() if p.grad is not None]
     return value.detach().float(), torch.cat(grads)

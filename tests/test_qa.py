@@ -1,4 +1,4 @@
-"""Tests of qa.py: SQuAD's EM / F1 on hand-computed cases, the windows and their labels, the span head and its
+"""Tests of readers/qa.py: SQuAD's EM / F1 on hand-computed cases, the windows and their labels, the span head and its
 loss (with SAR), the bad-answer error, and a 2-step run of --task squad through train.main on dense, sparse and
 HST attention. Fixtures are SQuAD-format JSON written here. Run: python -m pytest tests/test_qa.py -q
 """
@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-import qa
-import tasks
+from readers import qa
 from model import Config, Model, SpanHead
 from test_train import check_eval_shift_all, run_main
 
@@ -104,6 +103,24 @@ def test_windows_ids_labels_and_stride():
         inside = [i for i, wd in enumerate(x.word_of) if wd in (10, 11)]       # "Eiffel", "Tower"
         assert x.label == ((inside[0], inside[-1]) if len(inside) == 2 else (0, 0))
     assert sum(x.label != (0, 0) for x in ws) >= 1
+
+
+def test_windows_advance_by_the_doc_stride(tmp_path):
+    """A long context is cut into windows that start every DOC_STRIDE = 128 tokens (BERT's run_squad), through
+    the task's reader: each window as long as --max-len allows, neighbours overlapping by the rest."""
+    assert qa.DOC_STRIDE == 128
+    words = [f"w{i}" for i in range(400)]
+    context = " ".join(words)
+    tok = WordTok(words + ["where", "?"])
+    qas = [("q", "where ?", [("w300", context.index("w300 "))])]
+    for split in ("train", "dev"):
+        (tmp_path / f"{split}.json").write_text(squad_json([(context, qas)]))
+    task = data.load_task("squad", str(tmp_path), tok, max_len=200)
+    head = 4                                                                    # [cls] where ? [sep]
+    for ws in (task.train, task.dev["dev"]):
+        assert [w.word_of[head] for w in ws] == [0, 128, 256]                   # first context word of each
+        assert [len(w.ids) for w in ws] == [200, 200, head + 400 - 256 + 1]     # budget 195 tokens, then the rest
+        assert [w.label for w in ws] == [(0, 0), (head + 300 - 128,) * 2, (head + 300 - 256,) * 2]   # w300
 
 
 def test_reader_errors_name_file_line_and_question(tmp_path):
@@ -220,7 +237,7 @@ def test_squad_trains_end_to_end(attention, tmp_path, capfd):
     if attention == "hst":
         assert list(dev["shift"]["by"]) == ["1"]
         assert any("consistency" in json.loads(line) for line in open(out / "log.jsonl"))
-    task = tasks.load_task("squad", folder, data.load_tokenizer(str(out / "ckpt_last.pt")), max_len=int(max_len))
+    task = data.load_task("squad", folder, data.load_tokenizer(str(out / "ckpt_last.pt")), max_len=int(max_len))
     assert (len(task.dev["dev"]) > 8) == (attention == "dense")                # windows only where the text is long
 
 

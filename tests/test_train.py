@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import data
-import tasks
 import train
 from helpers import train_args
 from model import load_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
+# a tiny dense model with standard dropout and no SAR (the defaults are the demo's: HST, AttendOut, SAR)
+TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--attention", "dense",
+        "--attn-dropout", "standard", "--sar", "0"]
 
 
 
@@ -75,7 +76,7 @@ def read_log(out):
 
 @pytest.mark.parametrize("attention", ["dense", "sparse", "hst"])
 def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
-    """The classifier's evaluation (tasks.classification_evaluate, train.py's r.kind.evaluate) batches the dev set longest first (data.longest_first); its scores must equal those of a
+    """The classifier's evaluation (train.evaluate) batches the dev set longest first (data.longest_first); its scores must equal those of a
     pass with batch size 1, where no example has padding beside it. A regression head: its Pearson and
     Spearman correlations move with any change of a score or any score paired with the wrong label."""
     from types import SimpleNamespace
@@ -94,85 +95,38 @@ def test_evaluation_in_length_order_scores_as_one_example_at_a_time(attention):
     task = data.TaskData([], {"dev": dev}, 1, True, "pearson", [])
     tok = SimpleNamespace(pad_id=1)                  # all the evaluation reads of a tokenizer
     for shift in ([0, 1] if attention != "dense" else [0]):
-        one = tasks.classification_evaluate(model, task, train_args("--task", "stsb", "--batch-size", "1"), torch.device("cpu"), tok, shift)
-        batched = tasks.classification_evaluate(model, task, train_args("--task", "stsb", "--batch-size", "16"), torch.device("cpu"), tok, shift)
+        one = train.evaluate(model, task, train_args("--task", "stsb", "--batch-size", "1"), torch.device("cpu"), tok, shift)
+        batched = train.evaluate(model, task, train_args("--task", "stsb", "--batch-size", "16"), torch.device("cpu"), tok, shift)
         for k in ("pearson", "spearman"):
             assert batched["dev"][k] == pytest.approx(one["dev"][k], abs=1e-6), (shift, k)
 
 
 def test_console_shows_each_metric_in_its_unit():
-    """Fractions in percent (accuracy, F1), SQuAD's percent as it is, the others as numbers; a perturbed
-    evaluation's mean and worst after a bar; the SAR step line names alpha and the consistency term."""
+    """Fractions in percent (accuracy, F1), SQuAD's percent as it is, the others as numbers; a shifted
+    evaluation's mean and worst after a bar."""
     shifted = {"by": {"1": {"acc": 0.8}}, "mean": {"acc": 0.829}, "worst": {"acc": 0.821}}
-    assert tasks.show_metrics("sst2", {"acc": 0.834, "shift": shifted}) == "acc 83.4% | shifted mean 82.9% worst 82.1%"
-    two = {"mean": {"em": 50.0, "f1": 60.0}, "worst": {"em": 40.0, "f1": 55.0}}
-    assert (tasks.show_metrics("squad", {"em": 51.0, "f1": 61.0, "questions": 8, "redraw": two})
-            == "em 51.0%, f1 61.0%, questions 8 | redrawn mean em 50.0%, f1 60.0% worst em 40.0%, f1 55.0%")
-    assert tasks.show_metrics("mrpc", {"f1": 0.9, "acc": 0.85}) == "f1 90.0%, acc 85.0%"
-    assert tasks.show_metrics("cola", {"mcc": 0.512, "acc": 0.8}) == "mcc 0.5120, acc 80.0%"
-    assert tasks.show_metrics("squad", {"em": 71.25, "f1": 80.5, "questions": 8}) == "em 71.2%, f1 80.5%, questions 8"
-    assert tasks.show_metrics("mlm", {"loss": 2.34567, "ppl": 10.4}) == "loss 2.3457, ppl 10.4000"
-    numbers = {"loss": 2.5, "ce": 2.25, "consistency": 0.25, "drop": 0.1}
-    assert train.console_parts(numbers, train_args("--sar", "1.0")) == [
-        "loss 2.5000 = ce 2.2500 + alpha 1 x SAR consistency 0.2500", "drop rate 0.100"]
-    assert train.console_parts(numbers, train_args("--rdrop", "0.5"))[0].endswith("alpha 0.5 x R-Drop consistency 0.2500")
+    assert train.show_metrics("sst2", {"acc": 0.834, "shift": shifted}) == "acc 83.4% | shifted mean acc 82.9% worst acc 82.1%"
+    assert train.show_metrics("mrpc", {"f1": 0.9, "acc": 0.85}) == "f1 90.0%, acc 85.0%"
+    assert train.show_metrics("cola", {"mcc": 0.512, "acc": 0.8}) == "mcc 0.5120, acc 80.0%"
+    assert train.show_metrics("squad", {"em": 71.25, "f1": 80.5, "questions": 8}) == "em 71.2%, f1 80.5%, questions 8"
+    assert train.show_metrics("mlm", {"loss": 2.34567, "ppl": 10.4}) == "loss 2.3457, ppl 10.4000"
 
 
-def test_threads_default_to_one_for_a_small_model():
-    """--threads 0: one CPU thread below train.SMALL_MODEL parameters, every core this process may use above;
-    --threads N wins. (The conftest fixture restores the count afterwards.)"""
-    from types import SimpleNamespace
-    cpu = torch.device("cpu")
-    small, large = (SimpleNamespace(num_params=lambda n=n: n) for n in (train.SMALL_MODEL / 2, train.SMALL_MODEL * 2))
-    assert train.choose_threads(train_args(), small, cpu) == 1
-    assert train.choose_threads(train_args(), large, cpu) == len(os.sched_getaffinity(0))
-    assert train.choose_threads(train_args("--threads", "2"), small, cpu) == 2
-
-
-def test_perturbed_evaluation_scores_every_shift_and_draw():
-    """train.add_perturbed asks the task's evaluate for every shift s = 1 .. b-1 and, with the model set to each
-    other random-block draw 1 .. K, for the original topology; then sets the model back to draw 0. mean and
-    worst are over those evaluations (worst: the highest loss, the lowest of any other metric)."""
-    from types import SimpleNamespace
-    from model import Config, Model
-    model = Model(Config(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=16,
-                         attention="sparse", block_size=4, num_random=1))
-    calls = []
-
-    def evaluate(raw, task, args, device, tok, shift_by=0):
-        draw = raw.layers[0].attn.eval_draw
-        calls.append((shift_by, draw))
-        return {"dev": {"acc": 0.9 - 0.1 * shift_by ** 2 - 0.01 * draw, "loss": 1.0 + shift_by + draw, "questions": 8}}
-
-    args = train_args("--eval-shift", "all", "--eval-redraw", "2")
-    train.check_eval_perturbations(args, model.cfg)
-    r = SimpleNamespace(args=args, raw=model, kind=SimpleNamespace(evaluate=evaluate), task=None, device=None, tok=None)
+def test_shifted_evaluation_scores_every_shift():
+    """--eval-shift all scores every shift s = 1 .. b-1 (dense: s = 1 alone); sar.add_shifted's mean and worst are
+    over those evaluations (worst: the lowest of a score, the highest of a loss); counts are not averaged."""
+    import sar
+    assert sar.eval_shifts("all", True, 4) == [1, 2, 3] and sar.eval_shifts("all", False, 4) == [1]
+    assert sar.eval_shifts(2, True, 4) == [2] and sar.eval_shifts(0, True, 4) == []
+    by = {s: {"dev": {"acc": 0.9 - 0.1 * s ** 2, "loss": 1.0 + s, "questions": 8}} for s in (1, 2, 3)}
     metrics = {"dev": {"acc": 0.5}}
-    train.add_perturbed(r, metrics)
-    assert calls == [(1, 0), (2, 0), (3, 0), (0, 1), (0, 2)]
-    assert model.layers[0].attn.eval_draw == 0
-    shift, redraw = metrics["dev"]["shift"], metrics["dev"]["redraw"]
-    assert list(shift["by"]) == ["1", "2", "3"] and list(redraw["by"]) == ["1", "2"]
-    assert shift["mean"] == {"acc": pytest.approx(1.3 / 3), "loss": pytest.approx(3.0)}   # counts are not averaged
-    assert shift["worst"] == {"acc": pytest.approx(0.0), "loss": 4.0}
-    assert redraw["worst"] == {"acc": pytest.approx(0.88), "loss": 3.0}
-
-
-def test_eval_draws_are_fixed_and_differ():
-    """In eval the random blocks come from a fixed seed per (layer, draw): the same draw gives the same output,
-    another draw (model.Model.set_eval_draw, --eval-redraw) another one."""
-    from model import Config, Model
-    torch.manual_seed(0)
-    model = Model(Config(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=16,
-                         attention="sparse", block_size=4, num_random=1, num_global=1, window=0)).eval()
-    ids = torch.randint(3, 40, (2, 64))
-    out = lambda: model.encode(ids)
-    first = out()
-    assert torch.equal(out(), first)
-    model.set_eval_draw(1)
-    assert not torch.allclose(out(), first)
-    model.set_eval_draw(0)
-    assert torch.equal(out(), first)
+    sar.add_shifted(metrics, by)
+    shift = metrics["dev"]["shift"]
+    assert list(shift["by"]) == ["1", "2", "3"]
+    assert shift["mean"] == {"acc": pytest.approx(1.3 / 3), "loss": pytest.approx(3.0)}
+    assert shift["worst"]["acc"] == pytest.approx(0.0) and shift["worst"]["loss"] == 2.0
+    sar.add_shifted(metrics, by, lower_is_better=True)
+    assert metrics["dev"]["shift"]["worst"]["loss"] == 4.0
 
 
 def check_eval_shift_all(argv, out, capfd, shifts, metric, worst=min):
@@ -201,17 +155,6 @@ def check_eval_shift_all(argv, out, capfd, shifts, metric, worst=min):
             assert shifted["mean"][metric] == pytest.approx(sum(by) / len(by))
             assert shifted["worst"][metric] == worst(by)
     return finals["all"]
-
-
-def test_opening_line_says_when_attention_dropout_keeps_the_sparse_kernel_off_its_fused_path(tmp_path, capfd):
-    folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=16, n_dev=8)
-    for attention, dropout, slow in [("sparse", "standard", True), ("hst", "attendout", True),
-                                     ("sparse", "none", False), ("dense", "standard", False)]:
-        code, stdout, err = run_main(tsv_args(folder, tmp_path / attention / dropout) + [
-            "--max-steps", "1", "--batch-size", "8", "--attention", attention, "--block-size", "4",
-            "--attn-dropout", dropout], capfd)
-        assert code == 0, err
-        assert ("gather path" in stdout.splitlines()[0]) == slow, stdout.splitlines()[0]
 
 
 def test_eval_shift_all_on_tsv_listops_and_mlm(listops_dir, tmp_path, capfd):
@@ -246,8 +189,8 @@ def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
     assert err == []
     # the console: one opening line, evaluations as "dev acc 83.4%", the summary in the same units
     lines = stdout.splitlines()
-    assert re.fullmatch(r"task tsv: 400 train / 100 dev examples \| model 0\.\d\dM parameters \(1 layer, hidden 32, "
-                        r"from scratch\) \| dense attention, no attention dropout \| 120 steps on cpu, 1 CPU thread "
+    assert re.fullmatch(r"task tsv: 400 train / 100 dev examples \| model 0\.\d\dM parameters \(1 layers, hidden 32, "
+                        r"from scratch\) \| dense attention, no attention dropout \| 120 steps on cpu, 1 CPU thread\(s\) "
                         r"\(--threads\)", lines[0]), lines[0]
     log = read_log(out)
     shown = [line for line in lines if re.fullmatch(r"step \d+: dev acc \d+\.\d%", line)]
@@ -310,8 +253,8 @@ def test_flags_exist():
     wanted = ("--task --data --init --out --epochs --max-steps --batch-size --lr --warmup --weight-decay --seed "
               "--eval-every --save-every --device --resume --compile --attention --block-size --window --num-global "
               "--num-random --max-positions --attn-dropout --attn-dropout-p --hidden-dropout-p --layerdrop "
-              "--attn-layerdrop --sar --sar-shift --rdrop --gnet-budget --gnet-lr --gnet-tau --gnet-dim "
-              "--schedule --skip-nonfinite --overwrite --no-truncate").split()
+              "--attn-layerdrop --sar --sar-shift --rdrop --gnet-budget --gnet-lr "
+              "--schedule --overwrite").split()
     assert not [f for f in wanted if f not in flags]
 
 
@@ -328,7 +271,6 @@ def only_line(err, prefix, words):
     (["--attention", "sparse", "--block-size", "64"], "larger than the longest sequence"),
     (["--max-len", "8"], "were longer than --max-len 8 and were truncated"),
     (["--eval-shift", "all"], "--eval-shift with dense attention: shifting moves no block boundary"),
-    (["--attention", "sparse", "--block-size", "8", "--eval-redraw", "2"], "--eval-redraw has no effect without random"),
 ])
 def test_warnings(listops_dir, tmp_path, capfd, extra, words):
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "w") + extra, capfd)
@@ -346,37 +288,16 @@ def test_block_padding_past_max_len_runs(listops_dir, tmp_path, capfd):
 
 
 def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
-    code, _, err = run_main(listops_args(listops_dir, tmp_path / "a") + ["--max-len", "8", "--no-truncate"], capfd)
-    assert code == 2
-    only_line(err, "error: ", "longer than --max-len 8 (--no-truncate)")
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "b") + ["--sar", "1", "--rdrop", "1"], capfd)
     assert code == 2
     only_line(err, "error: ", "--sar and --rdrop are alternatives")
     sparse = ["--attention", "sparse", "--block-size", "8"]
     for bad, words in ((["--eval-shift", "8"], "--eval-shift 8: give 'all' or a shift in 0 .. 7 (--block-size 8"),
                        (["--eval-shift", "al"], "--eval-shift al: give 'all' or a number of tokens"),
-                       (["--eval-shift", "-1"], "--eval-shift -1: give 'all' or a number of tokens"),
-                       (["--eval-redraw", "-1"], "--eval-redraw -1: must be >= 0")):
+                       (["--eval-shift", "-1"], "--eval-shift -1: give 'all' or a number of tokens")):
         code, _, err = run_main(listops_args(listops_dir, tmp_path / "c") + sparse + bad, capfd)
         assert code == 2 and not (tmp_path / "c" / "final.json").exists()
         only_line(err, "error: ", words)
-
-
-def test_schedule_from_a_run_still_in_progress_is_refused(listops_dir, tmp_path, capfd):
-    """--schedule replays an AttendOut run's droprates.jsonl: while that run still writes it (its folder's lock is
-    held), the file is incomplete, and replaying it would silently use a truncated schedule."""
-    from infra import lock_out
-    src = tmp_path / "attendout"
-    assert run_main(listops_args(listops_dir, src, steps=2) + ["--attn-dropout", "attendout", "--log-every", "1"],
-                    capfd)[0] == 0
-    replay = listops_args(listops_dir, tmp_path / "replay", steps=2) + [
-        "--attn-dropout", "scheduled", "--schedule", str(src / "droprates.jsonl")]
-    with lock_out(str(src)):                                      # as if the AttendOut run were still going
-        code, _, err = run_main(replay, capfd)
-    assert code == 2 and not (tmp_path / "replay" / "final.json").exists()
-    only_line(err, "error: ", "the AttendOut run writing it has not finished")
-    (src / "run.lock").write_text("")                             # a lock file nobody holds (a run that died)
-    assert run_main(replay, capfd)[0] == 0
 
 
 def test_errors_on_init_and_out(listops_dir, tmp_path, capfd):
@@ -414,7 +335,7 @@ def test_errors_on_data(tmp_path, capfd):
     (empty / "basic_val.tsv").write_text("Source\tTarget\n")               # a header and no rows
     code, _, err = run_main(["--task", "listops", "--data", str(empty), "--out", str(tmp_path / "c"), *TINY], capfd)
     assert code == 2
-    only_line(err, "error: ", "has no examples")
+    only_line(err, "error: ", "no rows after the header")
 
 
 def test_error_is_one_line_in_a_real_process(tmp_path):

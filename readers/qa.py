@@ -1,4 +1,4 @@
-"""qa.py: extractive question answering (SQuAD-format JSON): windows, the span loss, EM / F1.
+"""readers/qa.py: extractive question answering (SQuAD-format JSON): windows, the span loss, EM / F1.
 
 What it is: ERNIE-Sparse reports question answering over long documents (74.67 against 71.43, methods.md §5).
 The model reads "[cls] question [sep] context [sep]" and model.SpanHead gives every token a start and an end
@@ -20,6 +20,8 @@ train-v1.1.json / dev-v1.1.json; TriviaQA and others are distributed in the same
 Every answer must be its context's text at answer_start (an integer). SQuAD 2.0's unanswerable questions
 ("is_impossible": true) are skipped, counted and reported; any other question without answers is an error.
 
+data.TASKS["squad"] loads this module on first use (load, training_texts); train.py takes its objective "span"
+from here: loss(model, batch, args, task, tok) and evaluate(raw, task, args, device, tok, shift_by=0).
 How to run: python train.py --task squad --data DIR --max-len 384 ...   (docs/tasks.md)
 """
 import glob
@@ -28,6 +30,7 @@ import os
 import re
 import string
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +39,6 @@ import torch.nn.functional as F
 
 import sar
 from data import DataError, Example, TaskData, longest_first, make_batches, read_text
-from infra import autocast
 
 DOC_STRIDE = 128          # tokens between the starts of two windows of one context (BERT's run_squad)
 MAX_QUERY_TOKENS = 64     # a longer question is cut
@@ -97,7 +99,8 @@ def read_squad(path):
                     raise DataError(f"{where}: empty or missing context")
                 if not isinstance(q.get("question"), str) or not q["question"].strip():
                     raise DataError(f"{where}: empty or missing question")
-                answers = [_answer(a, context, where) for a in _list_of_objects(q.get("answers", []), f"{where}: answers")]
+                answers = [_answer(a, context, where)
+                           for a in _list_of_objects(q.get("answers", []), f"{where}: answers")]
                 if not answers and q.get("is_impossible") is not True:
                     raise DataError(f"{where}: no answers (only SQuAD 2.0's \"is_impossible\": true questions may "
                                     "have none)")
@@ -211,7 +214,8 @@ def load(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **colu
     if not os.path.isdir(data_dir) and (train_file is None or dev_file is None):
         raise DataError(f"{data_dir}: --task squad needs a folder with train.json and dev.json")
     cache, skipped, splits = {}, [], {}
-    for split, path in (("train", train_file or _find(data_dir, "train")), ("dev", dev_file or _find(data_dir, "dev"))):
+    paths = (("train", train_file or _find(data_dir, "train")), ("dev", dev_file or _find(data_dir, "dev")))
+    for split, path in paths:
         examples = []
         for item in read_squad(path):
             if not item["answers"]:
@@ -225,6 +229,11 @@ def load(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **colu
 # -----------------------------------------------------------------------------
 # Loss and evaluation
 
+def autocast(device):
+    """Forward passes in bf16 autocast on CUDA, fp32 on the CPU (as train.py's)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
 def span_loss(logits, labels, attention_mask):
     """1/2 (CE(start) + CE(end)) over the real tokens. logits [B, L, 2], labels [B, 2], attention_mask [B, L]."""
     logits = logits.float().masked_fill(~attention_mask.bool().unsqueeze(-1), -1e4)   # padding never predicted
@@ -232,7 +241,7 @@ def span_loss(logits, labels, attention_mask):
 
 
 def loss(model, batch, args, task, tok):
-    """The training loss (tasks.TASKS["squad"]): the span loss, with SAR / R-Drop if asked (logged apart as ce and
+    """The training loss (train.py's objective "span"): the span loss, with SAR / R-Drop if asked (logged apart as ce,
     consistency)."""
     if args.sar > 0 or args.rdrop > 0:
         total, ce, cons = sar_span_loss(model, batch, args.sar or args.rdrop, args.sar_shift if args.sar else 0)

@@ -1,4 +1,4 @@
-"""lra.py: readers for four Long Range Arena tasks (Text, Retrieval, Image, Pathfinder); ListOps is in data.py.
+"""readers/lra.py: readers for four Long Range Arena tasks (Text, Retrieval, Image, Pathfinder); ListOps: data.py.
 
 What it is: each reader takes the files of the public LRA release (or of the public dataset that LRA's input
 pipeline loads through tfds) and returns data.TaskData, tokenised as LRA tokenises (methods.md §4):
@@ -7,7 +7,7 @@ pipeline loads through tfds) and returns data.TaskData, tokenised as LRA tokenis
                     encoder (model.PairHead) encodes each document separately with the same encoder;
   - lra-image       CIFAR-10 as 1,024 grayscale pixel ids (256 intensities), row-major;
   - lra-pathfinder  32 x 32 Pathfinder images as 1,024 pixel ids, label 1 = the two dots are connected.
-Every sequence starts with [cls] (the classifier / global token); ids are vocab.ByteTokenizer's (value + 5).
+Every sequence starts with [cls] (the classifier / global token); ids are data.ByteTokenizer's (value + 5).
 
 The files each reader expects (--data DIR):
   lra-text        DIR/train/{pos,neg}/*.txt and DIR/test/{pos,neg}/*.txt: the aclImdb folder of
@@ -29,22 +29,18 @@ The files each reader expects (--data DIR):
 Grayscale (lra-image) is tf.image.rgb_to_grayscale as LRA calls it: y = 0.2989 R + 0.5870 G + 0.1140 B on
 [0, 1] floats, converted back to uint8 as TF does (multiply by 255.5, truncate).
 
-How to run: python train.py --task lra-text --data aclImdb ...   (--max-len 4001: 4,000 bytes + [cls]; docs/tasks.md: every task)
-            python tasks.py lra-image cifar-10-batches-bin     (reads a folder and prints its statistics)
+data.TASKS loads this module on first use (data.load_task("lra-text", ...)); the default --max-len of each task
+(LRA's lengths + [cls]: 4,001 for Text and each Retrieval document, 1,025 for Image and Pathfinder) is its entry's.
+How to run: python train.py --task lra-text --data aclImdb ...   (docs/tasks.md: every task)
 """
 import csv
 import os
 
 import numpy as np
 
-from data import LRA_TASKS, DataError, Example, PairExample, TaskData, read_rows, read_text
-from vocab import ByteTokenizer
+from data import ByteTokenizer, DataError, Example, PairExample, TaskData, read_rows, read_text
 
-TASKS = LRA_TASKS                   # lra-text, lra-retrieval, lra-image, lra-pathfinder
-# LRA's input lengths in tokens, our [cls] on top of LRA's inputs: 4,000 bytes (Text, each Retrieval document;
-# LRA cuts the bytes at 4,000 and adds its CLS in the model, or has none) + [cls], 32 x 32 pixels + [cls]
-LRA_BYTES = 4000
-DEFAULT_MAX_LEN = {"lra-text": LRA_BYTES + 1, "lra-retrieval": LRA_BYTES + 1, "lra-image": 1025, "lra-pathfinder": 1025}
+TASKS = ("lra-text", "lra-retrieval", "lra-image", "lra-pathfinder")    # their entries in data.TASKS
 
 CIFAR_RECORD = 1 + 3 * 32 * 32      # label byte + R, G, B planes
 CIFAR_TRAIN_KEPT = 45000            # LRA: tfds cifar10 train[:90%]; the rest is its validation split
@@ -254,7 +250,7 @@ def load_pathfinder(data_dir, tok, max_len):
 # -----------------------------------------------------------------------------
 
 def load(task, data_dir, tok, *, max_len, **files):
-    """TaskData of an LRA task (its entry in tasks.TASKS). Image and Pathfinder need the pixel vocabulary.
+    """TaskData of an LRA task (its entry in data.TASKS). Image and Pathfinder need the pixel vocabulary.
     files (train.py's --train-file, --dev-file, column flags) do not apply: LRA's files are fixed."""
     if task in ("lra-image", "lra-pathfinder") and not isinstance(tok, ByteTokenizer):
         raise DataError(f"{task} feeds pixel intensities: it needs the 256-value vocabulary of a model trained "
