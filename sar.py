@@ -61,10 +61,11 @@ def two_views(model, batch, shift_by):
     Both views run as ONE batch of 2B rows. views=2 tells the model so: each half gets its own sparse-kernel
     call and so its own random blocks (methods.md §2.3: they are re-drawn for the shifted view)."""
     ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
-    pos = model.position_ids(ids)                        # the content's positions, kept by both views
+    raw = getattr(model, "module", model)                # the Model itself, also under DistributedDataParallel
+    pos = raw.position_ids(ids)                          # the content's positions, kept by both views
     s_ids, s_mask, s_pos, s_types = ids, mask, pos, types
     if shift_by > 0:
-        pad = model.cfg.pad_id
+        pad = raw.cfg.pad_id
         s_ids, s_mask, s_pos, s_types = shift(ids, mask, shift_by, pad, pos, types)       # [B, L + s]
         # the original is padded at the END to the same length: padding there moves no boundary a token sees
         right = (0, shift_by)

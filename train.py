@@ -2,13 +2,9 @@
 
 What it is: nanoGPT's train.py for encoders: AdamW, warmup then linear decay, clipping, gradient accumulation,
 bf16 autocast on CUDA (fp32 on the CPU), each task's official dev metric, atomic checkpoints, exact resume
-(bit-identical on the CPU), torchrun / DDP. One loop for the CPU and the GPU.
-
-The ideas, each switched by a flag (and by the model.Config field of the same name):
-  --attention sparse|hst       ERNIE-Sparse: block-sparse attention, Hierarchical Sparse Transformer (sparse.py)
-  --sar ALPHA / --rdrop ALPHA  Self-Attention Regularization (a shifted topology) / its control R-Drop (sar.py)
-  --attn-dropout attendout     AttendOut: an adversarial, learned G-Net attention dropout (attendout.py)
-  --eval-shift N|all           also score the dev set under shifted topologies (methods.md §2.3)
+(bit-identical on the CPU), torchrun. One loop for the CPU and the GPU. The ideas, each a flag (and a model.Config
+field): --attention sparse|hst (ERNIE-Sparse, sparse.py), --sar / --rdrop (Self-Attention Regularization and its
+control R-Drop, sar.py), --attn-dropout attendout (AttendOut's G-Net, attendout.py), --eval-shift (methods.md §2.3).
 
 How to run it:
   python train.py                                   # the demo: generated ListOps, HST + SAR + AttendOut
@@ -18,11 +14,9 @@ How to run it:
   python train.py --resume --out out/demo           # continue a stopped or killed run
 """
 import argparse
-import io
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -48,7 +42,7 @@ from model import save_atomic
 def make_parser():
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = ap.add_argument
-    add("--task", default="listops", help=f"one of {', '.join(data.TASKS)} (data.TASKS)")
+    add("--task", default="listops", choices=list(data.TASKS), metavar="TASK", help=", ".join(data.TASKS))
     add("--data", help="the task's folder or file (listops: generated into data/listops-demo if omitted)")
     add("--train-file", help="the training file inside --data, if not the task's usual name")
     add("--dev-file", help="the dev file inside --data, if not the task's usual name")
@@ -75,7 +69,7 @@ def make_parser():
     add("--eval-every", type=int, default=200, help="evaluate every N steps (0: each epoch's end; with --init: 0)")
     add("--save-every", type=int, default=500, help="write ckpt_last.pt every N steps (and at the end)")
     add("--log-every", type=int, default=10, help="a log line every N steps")
-    add("--eval-shift", default="0", help="also score the topology shifted by N tokens, or 'all' (1 .. b-1)")
+    add("--eval-shift", type=shift_arg, default=0, help="also score the topology shifted by N tokens, or 'all'")
     add("--resume", action="store_true", help="continue the run in --out from its ckpt_last.pt")
     add("--overwrite", action="store_true", help="replace a run already in --out")
     add("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
@@ -108,10 +102,13 @@ FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **{f: None for
 RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
                 "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup")  # fix the stream
 POSITIVE = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn", "block_size",
-            "max_positions")                             # must be >= 1; the numbers below must be >= 0
-NON_NEGATIVE = ("max_steps", "eval_every", "save_every", "warmup", "weight_decay", "clip", "lr", "sar", "rdrop",
-                "gnet_lr", "window", "num_global", "num_random", "threads")
+            "max_positions")                             # must be >= 1; every other number must be >= 0
 ONLY_WITH = {"gnet_": "attendout", "schedule": "scheduled"}     # method flags, useless without their method
+
+def shift_arg(s):                                        # --eval-shift: a number of tokens, or 'all' (1 .. b-1)
+    if s != "all" and not s.isdigit():
+        raise argparse.ArgumentTypeError(f"{s}: give 'all' or a number of tokens >= 0")
+    return s if s == "all" else int(s)
 
 def parse_args(argv):
     args = make_parser().parse_args(argv)
@@ -124,40 +121,27 @@ def parse_args(argv):
             setattr(args, k, v)
     return args
 
-def check_args(args):
-    """Values that mean nothing, refused before anything is read or written: one line naming the flag."""
-    bad = lambda name, why: fail(f"--{name.replace('_', '-')} {getattr(args, name)}: {why}")
-    for name in POSITIVE + NON_NEGATIVE:
-        v, low = getattr(args, name), int(name in POSITIVE)
-        if v is not None and not (math.isfinite(v) and v >= low):     # NaN fails too
-            bad(name, f"must be >= {low}")
-    if args.eval_shift != "all" and not str(args.eval_shift).isdigit():
-        bad("eval_shift", "give 'all' or a number of tokens >= 0")
-    args.eval_shift = args.eval_shift if args.eval_shift == "all" else int(args.eval_shift)
-    if args.max_steps == 0 and not args.epochs > 0:
-        bad("epochs", "must be > 0 (or give --max-steps)")
-    if args.max_len is not None and args.max_len < 8:                  # a pair's special tokens and some text
-        bad("max_len", "must be at least 8 tokens (special tokens included)")
-    if args.task not in data.TASKS:
-        bad("task", f"unknown task; choose one of {', '.join(data.TASKS)}")
-    if args.sar > 0 and args.rdrop > 0:
-        fail("--sar and --rdrop are alternatives; give one")
-    if args.sar_shift < 1:
-        bad("sar_shift", "SAR needs a shift of at least 1 token (two unshifted views: --rdrop)")
-    if args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(args.schedule):
-        bad("schedule", "no such file (a droprates.jsonl, or linear:P_LOW:P_HIGH)")
-    for name in ("data", "train_file", "dev_file"):
-        if getattr(args, name) is not None and not os.path.exists(getattr(args, name)):
-            bad(name, "no such file or folder")
-    resolve_device(args.device)                                        # --device cuda without CUDA: one line
-
+def check_args(args):                                    # before anything is read or written: one line each
+    for name, v in vars(args).items():                   # every number >= 0 (>= 1 for the POSITIVE); NaN fails
+        if type(v) in (int, float) and not (math.isfinite(v) and v >= (name in POSITIVE)):
+            fail(f"--{name.replace('_', '-')} {v}: must be >= {int(name in POSITIVE)}")
+    missing = [f for f in ("data", "train_file", "dev_file") if getattr(args, f) and not os.path.exists(vars(args)[f])]
+    for wrong, what in [(args.max_steps == 0 and not args.epochs > 0, f"--epochs {args.epochs}: must be > 0"),
+                        (args.max_len is not None and args.max_len < 8, f"--max-len {args.max_len}: must be >= 8"),
+                        (args.sar > 0 and args.rdrop > 0, "--sar and --rdrop are alternatives; give one"),
+                        (args.sar_shift < 1, f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token"),
+                        (args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(
+                            args.schedule), f"--schedule {args.schedule}: no such file (or linear:P_LOW:P_HIGH)"),
+                        (missing, f"--{missing[0].replace('_', '-')} {getattr(args, missing[0])}: no such file or "
+                                  "folder" if missing else "")]:
+        if wrong:
+            fail(what)
 
 # -----------------------------------------------------------------------------
 # 2. Data, tokenizer and model.
 
 def columns(args):                                       # where a task's files and columns are, by flag
-    return dict(train_file=args.train_file, dev_file=args.dev_file, text_col=args.text_col,
-                text_pair_col=args.text_pair_col, label_col=args.label_col)
+    return {k: getattr(args, k) for k in ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")}
 
 def task_data_dir(args):                                 # --data, or for ListOps the demo's set, made once
     if args.data is not None or args.task != "listops":
@@ -171,15 +155,16 @@ def task_data_dir(args):                                 # --data, or for ListOp
 
 def load_tokenizer(args, data_dir, stored_files):
     """The checkpoint's own, the task's fixed one (ListOps symbols, LRA bytes), or SentencePiece trained here."""
-    if stored_files or data.fixed_tokenizer(args.task):
-        return data.tokenizer_from_files(data.tensors_to_files(stored_files)) if stored_files \
-            else data.fixed_tokenizer(args.task)
+    if stored_files:
+        return data.tokenizer_from_files(data.tensors_to_files(stored_files))
+    if data.fixed_tokenizer(args.task):
+        return data.fixed_tokenizer(args.task)
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
     if not os.access(folder, os.W_OK):                   # read-only data: the cache goes under data/spm-cache/
         folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
-        os.makedirs(folder, exist_ok=True)
-    for turn in (0, 1):                                  # rank 0 trains it first; the others read its cache
+    for turn in (0, 1):                                  # rank 0 trains it first; the others then read its cache
         if (turn == 0) == is_main():
+            os.makedirs(folder, exist_ok=True)
             texts = data.training_texts(args.task, data_dir, **columns(args))
             tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
         barrier()
@@ -196,8 +181,7 @@ def read_init(args):                                     # (Config, state dict, 
         fail(f"--init {args.init}: no tokenizer files in it (convert it again with python model.py convert)")
     return cfg, state, tok_files
 
-def make_model(args, tok, task, init):
-    """From --init (the checkpoint's Config, then the flags given) or from scratch (the size flags)."""
+def make_model(args, tok, task, init):                   # --init's Config and the flags given, or from scratch
     overrides = {f: getattr(args, f) for f in CONFIG_FLAGS if getattr(args, f) is not None}
     overrides.update(num_labels=task.num_labels, head=task.head)
     if init is not None:
@@ -210,34 +194,24 @@ def make_model(args, tok, task, init):
 def check_run(args, task, cfg, data_dir):
     """What fails (one `error:` line) or does nothing (one `warning:` line) once data and model are known."""
     sparse, b = cfg.attention != "dense", cfg.block_size
-    for split, examples in [("train", task.train), *task.dev.items()]:
-        if not examples:
-            fail(f"{data_dir}: the {split} split has no examples")
     if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
         fail("--sar / --rdrop need a classification or regression task, not mlm")
-    if cfg.attn_dropout == "scheduled" and not cfg.schedule:
-        fail("--attn-dropout scheduled needs --schedule FILE or linear:P_LOW:P_HIGH")
     if sparse and args.eval_shift != "all" and args.eval_shift >= b:
         fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b})")
     useless = [f for f in args.given for k, m in ONLY_WITH.items() if f.startswith(k) and cfg.attn_dropout != m]
     useless += [f for f in args.given if f.endswith("_col") and args.task != "tsv"]     # --task tsv's columns
-    warnings = [(not task.dev, f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt"),
-                (task.skipped, task.skipped and data.skipped_warning(task.skipped)),
-                (args.batch_size > len(task.train), f"--batch-size {args.batch_size} is larger than the training set"),
-                (task.n_truncated, f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
-                                   + ("split into chunks" if task.num_labels == 0 else "truncated")),
-                (args.sar > 0 and not sparse, "--sar with dense attention has no effect: shifting moves no block "
-                                              "boundary; use --attention sparse or hst"),
-                (args.eval_shift and not sparse, "--eval-shift with dense attention: shifting moves no block boundary"),
-                (sparse and b > max(len(e.ids) for e in task.train), f"--block-size {b} is larger than the longest "
-                                                                     "sequence: sparse attention is dense here"),
-                (useless, f"--{', --'.join(useless).replace('_', '-')}: no effect with this method or task"),
-                (args.resume and set(args.given) & set(CONFIG_FLAGS + ("layers", "hidden", "heads", "ffn", "init")),
-                 "--resume continues the run's own model: its model and method flags are ignored")]
-    for happens, line in warnings:
+    for happens, line in [
+            (not task.dev, f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt"),
+            (task.skipped, task.skipped and data.skipped_warning(task.skipped)),
+            (task.n_truncated, f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
+                               + ("split into chunks" if task.num_labels == 0 else "truncated")),
+            (args.sar > 0 and not sparse, "--sar with dense attention has no effect: no block boundary moves"),
+            (args.eval_shift and not sparse, "--eval-shift with dense attention: shifting moves no block boundary"),
+            (sparse and b > max(len(e.ids) for e in task.train), f"--block-size {b} is larger than the longest "
+                                                                 "sequence: sparse attention is dense here"),
+            (useless, f"--{', --'.join(useless).replace('_', '-')}: no effect with this method or task")]:
         if happens:
             warn(line)
-
 
 # -----------------------------------------------------------------------------
 # 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
@@ -257,11 +231,6 @@ def classify_loss(model, batch, args, task, tok):
         logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])    # [B, C]
         return sar.task_loss(logits, batch["labels"], task.is_regression), {}
     return loss, {"ce": ce.item(), "consistency": cons.item()}
-
-def dev_batches(examples, args, tok, device):            # longest first, each padded to its own longest example
-    for batch in data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0,
-                                   epoch=0, shuffle=False):
-        yield {k: v.to(device) for k, v in batch.items()}
 
 def mlm_loss(model, batch, args, task, tok, generator=None, shift_by=0):
     """BERT's masked LM: 15% of the real tokens, 80/10/10 mask/random/keep (data.mask_tokens, on the CPU so a
@@ -284,7 +253,9 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
     out = {}
     for split, examples in task.dev.items():
         preds, labels, losses = [], [], []
-        for i, batch in enumerate(dev_batches(examples, args, tok, device)):
+        for i, batch in enumerate(data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id,
+                                                    seed=0, epoch=0, shuffle=False)):     # each padded to its own
+            batch = {k: v.to(device) for k, v in batch.items()}
             if task.num_labels == 0:                     # masked LM: fixed masks (batch i draws from seed i)
                 with autocast(device):
                     losses.append(mlm_loss(raw, batch, args, task, tok, torch.Generator().manual_seed(i), shift_by)[0])
@@ -297,25 +268,21 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
                 logits = raw(ids, mask, types, pos).float()                       # [B, C]
             preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
             labels.append(batch["labels"])
-        if losses:                                       # the LM's loss and perplexity
-            loss = torch.stack(losses).mean().item()
-            out[split] = {"loss": loss, "ppl": math.exp(min(loss, 50))}
-        else:
-            out[split] = data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy())
+        loss = torch.stack(losses).mean().item() if losses else None              # the LM's loss and perplexity
+        out[split] = ({"loss": loss, "ppl": math.exp(min(loss, 50))} if losses else
+                      data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy()))
     raw.train()
     return out
 
-def objective(task_name):
-    """(loss, evaluate) of the task's objective: classify (and LRA's pairs), mlm, or QA's spans."""
+def objective(task_name):                                # (loss, evaluate): classify (LRA pairs too), mlm, QA
     kind = data.TASKS[task_name].objective
     if kind == "span":
         from readers import qa                           # not part of the course: loaded on first use
         return qa.loss, qa.evaluate
     return mlm_loss if kind == "mlm" else classify_loss, evaluate
 
-
 # -----------------------------------------------------------------------------
-# 4. Optimizer and schedule (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
+# 4. The optimizer (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
 
 def make_optimizer(model, args, device):
     """AdamW: matrices (decayed), biases and LayerNorms (not), the G-Nets (their own peak lr, no decay)."""
@@ -327,16 +294,10 @@ def make_optimizer(model, args, device):
     groups = [{"base_lr": args.lr, **g} for g in groups if g["params"]]             # base_lr: the group's peak
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
 
-def clip_gradients(optimizer, max_norm):
-    """The backbone's gradient norm clipped to max_norm (0: measured only), the G-Nets' apart: their reversed
-    gradient can be orders of magnitude larger, and clipped together it would stop the backbone."""
-    groups = [g["params"] for g in optimizer.param_groups]          # [decayed, not decayed, (G-Nets)]
+def clip_gradients(optimizer, max_norm):                 # the G-Nets' reversed gradient can be orders of magnitude
+    groups = [g["params"] for g in optimizer.param_groups]  # larger: clipped with the backbone, it would stop it
     clip = lambda params: float(torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf))   # the norm before
     return {"grad_norm": clip(groups[0] + groups[1]), **({"gnet_grad_norm": clip(groups[2])} if groups[2:] else {})}
-
-def lr_factor(step, total, warmup):                      # linear warmup to 1, then linear decay to 0
-    return (step + 1) / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup))
-
 
 # -----------------------------------------------------------------------------
 # 5. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C.
@@ -349,8 +310,7 @@ def resolve_device(name):                                # auto, cpu, cuda or cu
         fail(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this machine has {gpus} GPUs)")
     return torch.device(name)
 
-def setup_distributed(args):
-    """(rank, world size, device): one process, or one of torchrun's (NCCL on GPUs, gloo on the CPU)."""
+def setup_distributed(args):                             # (rank, world size, device); torchrun sets RANK
     device = resolve_device(args.device)
     if "RANK" not in os.environ:
         return 0, 1, device
@@ -374,38 +334,9 @@ def all_true(flag, device, world):                       # True only where it is
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
-class DDP(torch.nn.parallel.DistributedDataParallel):
-    def __getattr__(self, name):                         # also answers the Model's own (sar.py reads cfg)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-def rng_state():                                         # every RNG the run draws from, as plain tensors / lists
-    np_state = np.random.get_state()
-    return {"python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]], "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-def set_rng_state(s):
-    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
-    np.random.set_state((s["numpy"][0], s["numpy"][1].numpy(), *s["numpy"][2:]))
-    torch.set_rng_state(s["torch"])
-    if torch.cuda.is_available() and s["cuda"]:
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-def gather_rng_states(world):                            # every process's rng_state(), by rank
-    if world == 1:
-        return [rng_state()]
-    buf, blobs = io.BytesIO(), [None] * world
-    torch.save(rng_state(), buf)                         # as bytes: all_gather_object would pickle tensors
-    dist.all_gather_object(blobs, buf.getvalue())
-    return [torch.load(io.BytesIO(b), weights_only=True) for b in blobs]
+def rng_state():    # the RNGs a step draws from (dropout, G-Net noise, random blocks, masks): torch's alone
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+            else []}
 
 def trim_log(path, step):                                # resume: a killed run may have logged past its checkpoint
     if os.path.exists(path):
@@ -416,19 +347,15 @@ def trim_log(path, step):                                # resume: a killed run 
         os.replace(path + ".tmp", path)
 
 def append_jsonl(path, rec):
-    if is_main():
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
-def save_checkpoint(r, path, rngs):
-    """Everything --resume needs, written atomically (model.save_atomic: a temporary file, then a rename)."""
+def save_checkpoint(r, path, rngs):                      # atomic (model.save_atomic): a temporary file, a rename
     args = {k: v for k, v in vars(r.args).items() if k != "given"}
     save_atomic(checkpoint_dict(r.raw, data.files_to_tensors(r.tok.files), train_state=r.state, args=args,
                                 optimizer=r.optimizer.state_dict(), rng=rngs), path)
 
-class StopFlag:
-    """Ctrl-C / SIGTERM: finish the step, save ckpt_last.pt, exit 128 + the signal. A second Ctrl-C aborts."""
-
+class StopFlag:                                          # Ctrl-C / SIGTERM: finish the step, save, exit 128 + it
     def __enter__(self):
         self.signum, self.old = None, {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
@@ -439,9 +366,8 @@ class StopFlag:
 
     def handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt                      # a second Ctrl-C aborts
         self.signum = signum
-
 
 # -----------------------------------------------------------------------------
 # 6. The run, top to bottom: setup(), then train() (step, log, evaluate, save), then report().
@@ -451,8 +377,6 @@ def main(argv=None):
     with one_line_errors():
         args = parse_args(sys.argv[1:] if argv is None else argv)
         check_args(args)
-    if not args.given:
-        print("no arguments: running the demo (every default is the demo's: python train.py --help)", flush=True)
     with one_line_errors(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}"):
         try:
             r = setup(args)              # data, tokenizer, model, optimizer, schedule (or a resumed run's)
@@ -473,12 +397,11 @@ def setup(args):
     r = Run()
     r.args, (r.rank, r.world, r.device) = args, setup_distributed(args)
     r.paths = {name: os.path.join(args.out, name) for name in Run.FILES}
-    if os.path.isfile(args.out) or any(map(os.path.exists, list(r.paths.values())[:4])) and not (
-            args.resume or args.overwrite):
-        fail(f"--out {args.out}: holds another run or is a file; pass --resume to continue it or --overwrite")
+    if os.path.isfile(args.out) or not (args.resume or args.overwrite) and any(map(os.path.exists, r.paths.values())):
+        fail(f"--out {args.out} holds another run (or is a file); pass --resume to continue it or --overwrite")
     resumed = read_resume(args)          # a resumed run takes back its flags, weights, tokenizer and state
     init = read_init(args) if resumed is None and args.init != "scratch" else None
-    seed_everything(args.seed)           # one seed, one set of initial weights for every method (paired runs)
+    torch.manual_seed(args.seed)         # one seed, one set of initial weights for every method (paired runs)
     # --- data: the tokenizer (the checkpoint's, the task's, or trained here), then the task's examples
     data_dir = task_data_dir(args)
     r.tok = load_tokenizer(args, data_dir, resumed["tokenizer"] if resumed else init and init[2])
@@ -500,10 +423,10 @@ def setup(args):
     (r.raw.mlm if r.task.num_labels > 0 else r.raw.cls or r.raw.mlm).requires_grad_(r.task.num_labels == 0)
     r.model = torch.compile(r.raw) if args.compile else r.raw          # what runs the forward
     if r.world > 1:                                      # LayerDrop leaves a skipped layer without gradients
-        r.model = DDP(r.model, device_ids=[r.device.index] if r.device.type == "cuda" else None,
-                      find_unused_parameters=r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0)
+        r.model = torch.nn.parallel.DistributedDataParallel(
+            r.model, find_unused_parameters=r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0)
     r.model.train()
-    seed_everything(args.seed + r.rank)                  # nanoGPT: every process draws its own dropout masks
+    torch.manual_seed(args.seed + r.rank)                # nanoGPT: every process draws its own dropout masks
     # --- the schedule: steps per epoch from the batch plan, total steps, warmup
     if args.batch_size // args.grad_accum < r.world or args.batch_size % (args.grad_accum * r.world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
@@ -516,11 +439,10 @@ def setup(args):
     r.optimizer = make_optimizer(r.raw, args, r.device)
     r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0, "dev": {},
                "saved_step": None}               # micro: the epoch's batches used; saved_step: in ckpt_last.pt
-    if is_main():                                        # the old run's files go only now, once all is ready
-        os.makedirs(args.out, exist_ok=True)
-        for path in r.paths.values() if not resumed else ():
-            if os.path.exists(path):
-                os.remove(path)
+    for path in r.paths.values() if is_main() and not resumed else ():
+        if os.path.exists(path):                         # the old run's files go only now, once all is ready
+            os.remove(path)
+    os.makedirs(args.out, exist_ok=True)
     if resumed:
         restore(r, resumed)
     if is_main():
@@ -566,7 +488,10 @@ def restore(r, resumed):                                 # AdamW, the loop state
     r.state.update(ckpt["train_state"])
     if len(ckpt["rng"]) != r.world:
         warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG streams change")
-    set_rng_state(ckpt["rng"][r.rank % len(ckpt["rng"])])
+    rng = ckpt["rng"][r.rank % len(ckpt["rng"])]         # the data order is a function of (seed, epoch)
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
     for name in ("log.jsonl", "droprates.jsonl") if is_main() else ():
         trim_log(r.paths[name], r.state["step"])         # a killed run may have logged past its checkpoint
 
@@ -610,8 +535,9 @@ def train(r):
 def train_step(r, batches, step, meter):
     """One optimizer step: forward and backward over --grad-accum micro-batches, clip, AdamW."""
     args, state = r.args, r.state
-    factor = lr_factor(step - 1, r.total, r.warmup)      # every group at factor x its own peak rate
-    for group in r.optimizer.param_groups:
+    t = step - 1                                         # linear warmup to 1, then linear decay to 0:
+    factor = (t + 1) / r.warmup if t < r.warmup else max(0.0, (r.total - t) / max(1, r.total - r.warmup))
+    for group in r.optimizer.param_groups:               # every group at factor x its own peak rate
         group["lr"] = group["base_lr"] * factor
     r.raw.set_progress((step - 1) / r.total)             # scheduled dropout follows training progress
     loss_sum, parts = 0.0, {}
@@ -643,7 +569,7 @@ def train_step(r, batches, step, meter):
     return numbers, epoch_done
 
 def log_step(r, step, numbers, meter):                   # every --log-every steps: log.jsonl and the console
-    if step % r.args.log_every and step != r.total:
+    if step % r.args.log_every and step != r.total or not is_main():
         return
     now = time.time()
     rate, meter["seen"], meter["t_last"] = meter["seen"] / max(now - meter["t_last"], 1e-9), 0, now
@@ -653,11 +579,9 @@ def log_step(r, step, numbers, meter):                   # every --log-every ste
         name, alpha = ("SAR", r.args.sar) if r.args.sar > 0 else ("R-Drop", r.args.rdrop)
         shown[0] += f" = ce {numbers['ce']:.4f} + alpha {alpha:g} x {name} consistency {numbers['consistency']:.4f}"
     shown += [f"drop rate {numbers['drop']:.3f}"] if "drop" in numbers else []     # AttendOut's mean rate
-    if is_main():
-        print(f"step {step}/{r.total}: {', '.join(shown)}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s", flush=True)
+    print(f"step {step}/{r.total}: {', '.join(shown)}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s", flush=True)
 
-def evaluate_and_keep_best(r, step):
-    """Dev metrics (and each --eval-shift's), logged; a better main metric writes ckpt_best.pt."""
+def evaluate_and_keep_best(r, step):                     # dev metrics (and --eval-shift's); the best: ckpt_best.pt
     args, task, state = r.args, r.task, r.state
     if not task.dev:
         return
@@ -686,12 +610,13 @@ def show_metrics(task_name, metrics):                    # "acc 83.4%, f1 80.2% 
 
 def save_last(r, meter):                                 # every process calls it: their RNG states are gathered
     r.state["wall"], r.state["saved_step"] = time.time() - meter["t0"], r.state["step"]
-    rngs = gather_rng_states(r.world)
+    rngs = [rng_state()] * r.world                       # every process's RNG states, by rank
+    if r.world > 1:
+        dist.all_gather_object(rngs, rngs[0])
     if is_main():
         save_checkpoint(r, r.paths["ckpt_last.pt"], rngs)
 
-def report(r):
-    """final.json and the last line: the last and the best dev score, beside the majority class's."""
+def report(r):                                           # final.json and the last line, beside the majority class
     args, task, state, name = r.args, r.task, r.state, r.task.metric_name
     majority = None
     if task.label_names and not task.is_regression and task.dev:     # always the commonest training label

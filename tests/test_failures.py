@@ -96,7 +96,7 @@ def test_values_that_mean_nothing_fail_before_anything_is_written(listops_dir, t
     cases = [(["--gnet-lr", "-1"], "--gnet-lr"), (["--epochs", "0"], "--epochs"), (["--sar", "-1"], "--sar"),
              (["--layers", "0"], "--layers"), (["--grad-accum", "0"], "--grad-accum"), (["--max-len", "0"], "--max-len"),
              (["--device", "gpu"], "--device gpu"), (["--schedule", "nosuch.jsonl"], "nosuch.jsonl"),
-             (["--task", "foo"], "unknown task"), (["--eval-shift=-2"], "--eval-shift"), (["--log-every", "0"], "--log-every"),
+             (["--task", "foo"], "invalid choice"), (["--eval-shift=-2"], "--eval-shift"), (["--log-every", "0"], "--log-every"),
              (["--lr", "nan"], "--lr"), (["--epochs", "x"], "--epochs"), (["--no-such-flag"], "--no-such-flag")]
     base = ["--task", "listops", "--data", listops_dir, "--out", out, *TINY]          # --epochs: no --max-steps
     for (_, name), result in zip(cases, run_cli("train.py", [base + flags for flags, _ in cases])):

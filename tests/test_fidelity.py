@@ -25,7 +25,9 @@ import sar
 import sparse
 import train
 
-TINY = ["--init", "scratch", "--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64"]
+# a tiny model from scratch, dense and without SAR (train.py's defaults are the demo's: HST, AttendOut, SAR)
+TINY = ["--init", "scratch", "--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--attention", "dense",
+        "--sar", "0"]
 
 
 def tiny_config(**kw):
@@ -140,7 +142,8 @@ def test_layerdrop_flags_skip_layers(flag, attn_frac, ffn_frac, listops_dir, tmp
     ffn_calls = count_calls(monkeypatch, M.FeedForward)
     steps = 40
     run_train(["--task", "listops", "--data", listops_dir, "--out", str(tmp_path / "run"), "--max-steps",
-               str(steps), "--batch-size", "8", "--eval-every", "1000", flag, "0.5", *TINY])
+               str(steps), "--batch-size", "8", "--eval-every", "1000", flag, "0.5", "--attn-dropout", "standard",
+               *TINY])
     nominal = steps * 2                              # 2 layers, one attention and one FFN call per layer and step
     assert abs(attn_calls["train"] / nominal - attn_frac) < 0.2
     assert abs(ffn_calls["train"] / nominal - ffn_frac) < 0.2
@@ -184,8 +187,6 @@ def test_budget_holds_in_a_real_run(extra, listops_dir, tmp_path):
     late = [r for r in recs if r["step_frac"] > 0.1]
     means = [sum(r["drop_rate"]) / len(r["drop_rate"]) for r in late]
     assert all(abs(m - rho) <= 0.02 for m in means), max(abs(m - rho) for m in means)
-    assert all(r["mean"] == pytest.approx(sum(r["drop_rate"]) / len(r["drop_rate"])) for r in recs)
-    assert "shift" in recs[0]
 
 
 def test_drop_rate_log_ends_at_the_last_step(listops_dir, tmp_path):
@@ -223,8 +224,7 @@ class LargestTensor(TorchDispatchMode):
 @pytest.mark.parametrize("kernel", ["sparse", "hst"])
 @pytest.mark.parametrize("drop", [dict(), dict(dropout_p=0.2), "gnet"])
 def test_no_kernel_builds_an_n_by_n_tensor(kernel, drop):
-    # n = 1024: large enough that the fixed-size buffers of the G-Net's budget (the [Z_BINS, 65] grid of
-    # attendout.rates_after_shift, 266k numbers at any n) stay below the n x n / 4 threshold
+    # n = 1024: large enough that fixed-size buffers (the budget's sample of 8192 pairs) stay below n x n / 4
     B, H, n, d, b = 1, 2, 1024, 8, 16
     m = n // b
     L = n + m if kernel == "hst" else n
@@ -337,7 +337,7 @@ def test_clip_flag_is_applied(listops_dir, tmp_path):
         out = tmp_path / f"clip{clip}"
         run_train(["--task", "listops", "--data", listops_dir, "--out", str(out), "--max-steps", "1",
                    "--batch-size", "8", "--lr", "1e-2", "--warmup", "0", "--weight-decay", "0", "--clip", clip,
-                   "--eval-every", "1000", "--seed", "0", *TINY])
+                   "--eval-every", "1000", "--seed", "0", "--attn-dropout", "standard", *TINY])
         return torch.load(out / "ckpt_last.pt", weights_only=True)["model"]["layers.0.ffn.up.weight"]
     # both runs start from the same seeded init, so their difference is the difference of their steps:
     # about lr for the unclipped one, ~0 for the clipped one

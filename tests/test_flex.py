@@ -1,6 +1,6 @@
 """The FlexAttention path (sparse.flex_stage1): its output equals the gather kernel's and the dense reference's
 on the CPU, forward only (torch refuses FlexAttention's backward on the CPU; the gradients are compared on a
-GPU by scripts/gpu_check.sh, tests/test_cuda.py). Global rows, padding, random blocks and representatives.
+GPU by tests/test_cuda.py). Global rows, padding, random blocks and representatives.
 Run: python -m pytest tests/test_flex.py -q
 """
 import pytest
@@ -35,19 +35,6 @@ def test_flex_is_not_used_with_dropout(monkeypatch):
     monkeypatch.setattr(sparse, "flex_stage1", lambda *a, **k: pytest.fail("flex used with dropout"))
     q, k, v = qkv(1, 2, 32)
     block_sparse_attention(q, k, v, block_size=4, dropout_p=0.1, flex=True)
-
-
-def test_no_flex_flag_reaches_the_config(tmp_path, capfd):
-    """train.py --no-flex stores flex_attention=False (the default, True, picks FlexAttention on CUDA only)."""
-    from model import load_pretrained
-    from tests.test_train import run_main, tsv_args, write_zebra_tsv
-    folder = write_zebra_tsv(str(tmp_path / "data"), n_train=16, n_dev=4)
-    flags = ["--attention", "sparse", "--block-size", "4", "--max-steps", "1", "--batch-size", "8"]
-    for extra, want in (([], True), (["--no-flex"], False)):
-        out = tmp_path / f"run{want}"
-        code, _, err = run_main(tsv_args(folder, out) + flags + extra, capfd)
-        assert code == 0, err
-        assert load_pretrained(str(out / "ckpt_last.pt")).cfg.flex_attention is want
 
 
 def test_model_uses_flex_only_on_cuda(monkeypatch):

@@ -7,6 +7,8 @@ import pickle
 import pytest
 import torch
 
+import data
+
 transformers = pytest.importorskip("transformers")
 
 from model import (CheckpointError, Config, Model, convert, extend_positions, load_pretrained, main,
@@ -104,25 +106,6 @@ def test_textbook_path_equals_fused(tmp_path):
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).bool()
     identity = lambda A, valid, pair_scores: A
     assert torch.allclose(dense_attention(q, k, v, mask), dense_attention(q, k, v, mask, drop_fn=identity), atol=1e-12)
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 5])
-def test_chunked_feed_forward_is_the_same_function(chunk):
-    """ffn_chunk only changes how the position-wise FFN is scheduled: the same outputs and gradients (5 leaves
-    a short last chunk of a length-11 batch; 1 runs every position alone)."""
-    torch.manual_seed(0)
-    whole = Model(Config(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24,
-                         max_positions=20, hidden_dropout_p=0.0, attn_dropout_p=0.0))
-    chunked = Model(Config(**{**whole.cfg.__dict__, "ffn_chunk": chunk}))
-    chunked.load_state_dict(whole.state_dict())
-    ids = torch.randint(3, 50, (2, 11))
-    outs = []
-    for m in (whole, chunked):
-        h = m.encode(ids, torch.ones_like(ids))
-        h.pow(2).sum().backward()
-        outs.append((h, m.layers[0].ffn.up.weight.grad))
-    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
 
 
 def test_position_extension_by_copying(tmp_path):
@@ -232,7 +215,7 @@ def test_export_drops_gnet_and_keeps_eval_outputs(tmp_path):
     cfg = Config(vocab_size=20, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=20, max_positions=20,
                  num_labels=2, attn_dropout="attendout")
     model = Model(cfg).eval()
-    save_atomic(checkpoint_dict(model, {}), str(tmp_path / "ft.pt"))
+    save_atomic(checkpoint_dict(model, data.files_to_tensors(data.ListOpsTokenizer().files)), str(tmp_path / "ft.pt"))
     main(["export", str(tmp_path / "ft.pt"), str(tmp_path / "small.pt")])
     small = load_pretrained(str(tmp_path / "small.pt")).eval()
     assert small.cfg.attn_dropout == "standard"

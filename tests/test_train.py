@@ -293,8 +293,8 @@ def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
     only_line(err, "error: ", "--sar and --rdrop are alternatives")
     sparse = ["--attention", "sparse", "--block-size", "8"]
     for bad, words in ((["--eval-shift", "8"], "--eval-shift 8: give 'all' or a shift in 0 .. 7 (--block-size 8"),
-                       (["--eval-shift", "al"], "--eval-shift al: give 'all' or a number of tokens"),
-                       (["--eval-shift", "-1"], "--eval-shift -1: give 'all' or a number of tokens")):
+                       (["--eval-shift", "al"], "--eval-shift: al: give 'all' or a number of tokens"),
+                       (["--eval-shift=-1"], "--eval-shift: -1: give 'all' or a number of tokens")):
         code, _, err = run_main(listops_args(listops_dir, tmp_path / "c") + sparse + bad, capfd)
         assert code == 2 and not (tmp_path / "c" / "final.json").exists()
         only_line(err, "error: ", words)

@@ -1,7 +1,7 @@
-"""Smoke tests of bench.py: its helpers, one scaling child process and one tiny CLI run.
+"""Smoke tests of research/bench.py: its helpers, one scaling child process and one tiny command-line run.
 
 Never asserts on times (timings are noisy); only that the bench runs and reports what it says.
-Run: python -m pytest tests/test_bench.py -q      (well under 30 s)
+Run: python -m pytest -q research/tests/test_bench.py      (well under 30 s)
 """
 import json
 import os
@@ -11,11 +11,10 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import bench
+from model import Config, Model
 
-import bench  # noqa: E402
-from model import Config, Model  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
 
 
 def tiny_model(**kw):
@@ -64,11 +63,21 @@ def test_child_process_reports_time_and_memory():
     assert len(r["times"]) == 1 and r["peak_bytes"] >= 0 and r["flops"] > 0
 
 
+def test_scaling_kinds_choose_the_kernel_path():
+    """"sparse": no attention dropout (FlexAttention on CUDA); "sparse-dropout": standard 0.1 (the gather path)."""
+    spec = dict(batch=1, device="cpu")
+    cfg, _, _ = bench.long_step({**spec, "kind": "sparse"}, 128)
+    assert (cfg.attention, cfg.attn_dropout) == ("sparse", "none")
+    cfg, _, step = bench.long_step({**spec, "kind": "sparse-dropout"}, 128)
+    assert (cfg.attention, cfg.attn_dropout, cfg.attn_dropout_p) == ("sparse", "standard", 0.1)
+    assert torch.isfinite(step())
+
+
 def test_cli_quick_section_writes_json(tmp_path):
     out = tmp_path / "b.json"
-    r = subprocess.run([sys.executable, "bench.py", "--quick", "--only", "sar", "--rounds", "1", "--warmup", "0",
-                        "--threads", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "research/bench.py", "--quick", "--only", "sar", "--rounds", "1",
+                        "--warmup", "0", "--threads", "1", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "SAR / plain step: ratio" in r.stdout and "| plain CE |" in r.stdout
     res = json.loads(out.read_text())

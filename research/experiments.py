@@ -1,0 +1,721 @@
+"""research/experiments.py: the grids and probes behind docs/results.md, one command each.
+
+What it is: a thin driver, not part of the course. Every cell of a table is an ordinary `python train.py ...` run
+(its exact command is printed and kept in its final.json); this file loops over rows and seeds, skips the runs that
+finished (an interrupted grid continues where it stopped), and writes each table (Markdown) and its raw numbers
+(JSON) to --tables. Seeds are paired: a row's difference to the baseline row comes with a 95% t-interval.
+
+The experiments (the ERNIE-Sparse rows: hst, the baseline, then dense, sparse, hst+sar, hst+rdrop):
+  listops                  from scratch on short generated ListOps (10-60 tokens), scored under every shift
+  listops-long             the same at LRA's lengths (500-1,000 tokens); --candidates: the learning curves of the
+                           model sizes that chose the grid's model (LONG_CANDIDATES)
+  listops-long-probe       what a shift does to the listops-long models' answers (changed predictions, KL)
+  pretrained-sparse        the same rows fine-tuned from --init on SST-2 and MR, scored under every shift of b = 8
+  pretrained-attendout     fine-tuning --init with standard (baseline), none, attendout, scheduled, layerdrop or
+                           attn_layerdrop attention dropout; 1,000 training examples (lowres) or all (full)
+  attendout-trained-probe  what a trained G-Net does to the attention rows (--init: an AttendOut run's ckpt_last.pt)
+
+How to run it (from the repository root; add --dry-run to a grid to print its commands and run nothing):
+    python research/experiments.py listops --threads 2
+    python research/experiments.py listops-long --variants hst sparse hst+sar --dry-run
+    python research/experiments.py listops-long --candidates --variants 2x64 2x128
+    python research/experiments.py listops-long-probe --variants hst sparse hst+sar
+    python research/experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA
+    python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2 3 4
+    python research/experiments.py attendout-trained-probe --init RUN/ckpt_last.pt --data-root DATA --datasets mr
+ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each with
+train.tsv and dev.tsv as label<TAB>sentence.
+"""
+import argparse
+import collections
+import hashlib
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the repository root: the six files
+sys.path.insert(0, ROOT)
+import attendout  # noqa: E402
+import data  # noqa: E402
+import sar  # noqa: E402
+from data import ArgumentParser, fail, one_line_errors  # noqa: E402
+from model import apply_overrides, build_model, read_checkpoint  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# Runs, tables and paired statistics
+
+def run_train(flags, out, a):
+    """One `python train.py FLAGS` run into `out`, unless its final.json exists. Returns that final.json (None
+    with --dry-run: the command is only printed). Its console goes to OUT/NAME.log beside the run folders."""
+    final = os.path.join(out, "final.json")
+    if not os.path.exists(final):
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--out", out, "--overwrite",
+               "--threads", str(a.threads)]
+        print("$ " + " ".join(cmd), flush=True)
+        if a.dry_run:
+            return None
+        t = time.time()
+        with open(os.path.join(a.out, os.path.basename(out) + ".log"), "w") as log:
+            rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)}, stdout=log,
+                                 stderr=subprocess.STDOUT)
+        if rc != 0:
+            fail(f"run failed (exit {rc}); see {log.name}")
+        print(f"  done in {time.time() - t:.0f}s", flush=True)
+    with open(final) as f:
+        return json.load(f)
+
+
+def fmt(xs, scale=100.0):
+    """'83.1 +- 0.4': mean +- std over seeds, in percent."""
+    xs = [x * scale for x in xs]
+    return f"{statistics.mean(xs):.1f} +- {statistics.stdev(xs) if len(xs) > 1 else 0.0:.1f}"
+
+
+# two-sided 95% quantiles of Student's t, t_{0.975, df}, df = 1 .. 30 (any statistics table)
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df):
+    """t_{0.975, df}: the table for df <= 30, the normal quantile 1.960 beyond (within 2% there)."""
+    if df < 1:
+        raise ValueError(f"a confidence interval needs at least 2 paired seeds (df = {df})")
+    return T975[df - 1] if df <= len(T975) else 1.960
+
+
+def paired_ci(xs, ys):
+    """Paired difference ys - xs over seeds: (mean d, half-width of its 95% CI)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"paired_ci: {len(xs)} baseline seeds against {len(ys)}")
+    d = [y - x for x, y in zip(xs, ys)]                  # d_s = y_s - x_s, one per seed
+    n = len(d)
+    return statistics.mean(d), t975(n - 1) * statistics.stdev(d) / math.sqrt(n)   # mean +- t sd(d) / sqrt(n)
+
+
+def fmt_diff(xs, ys, scale=100.0):
+    """'+1.2 [-0.3, +2.7]': the paired difference and its 95% CI in points; '(baseline)' for the baseline
+    itself; with one seed the difference alone."""
+    if xs is ys:
+        return "(baseline)"
+    if len(xs) == len(ys) == 1:                          # a grid run with one --seeds value: no interval
+        return f"{(ys[0] - xs[0]) * scale:+.1f} (one seed: no interval)"
+    m, h = paired_ci([x * scale for x in xs], [y * scale for y in ys])
+    return f"{m:+.1f} [{m - h:+.1f}, {m + h:+.1f}]"
+
+
+def chosen(a, rows, baseline=True):
+    """The names of `rows` that --variants picks, in the table's order (all without --variants). One error line
+    for a name that is no row, or (baseline=True) a choice without the first row, the paired differences' base."""
+    unknown = [v for v in a.variants or [] if v not in rows]
+    if unknown:
+        fail(f"--variants {' '.join(unknown)}: not a row of {a.experiment}; choose among {' '.join(rows)}")
+    first = next(iter(rows))
+    if a.variants and baseline and first not in a.variants:
+        fail(f"--variants: the baseline row {first} must be among them (the paired differences are taken against it)")
+    return [name for name in rows if not a.variants or name in a.variants]
+
+
+def write_table(a, name, lines, note, raw=None):
+    """NAME.md (the table's lines and the note under it) and NAME.json (its raw numbers) in --tables."""
+    text = "\n".join(lines) + "\n\n" + f"Command: `python research/experiments.py {' '.join(a.argv)}`. {note}\n"
+    print("\n" + text)
+    os.makedirs(a.tables, exist_ok=True)
+    with open(os.path.join(a.tables, name + ".md"), "w") as f:
+        f.write(text)
+    if raw is not None:
+        with open(os.path.join(a.tables, name + ".json"), "w") as f:
+            json.dump(raw, f, indent=1)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_name(name):
+    return name.replace("+", "_")                        # "hst+sar" -> run folder "..-hst_sar-s0"
+
+
+# -----------------------------------------------------------------------------
+# ERNIE-Sparse (methods.md §2): the rows, and how a run's final weights fare under every topology shift
+
+SPARSE_ROWS = {             # the baseline first: HST without SAR
+    "hst": ["--attention", "hst"],
+    "dense": ["--attention", "dense"],
+    "sparse": ["--attention", "sparse"],
+    "hst+sar": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1"],
+    "hst+rdrop": ["--attention", "hst", "--rdrop", "1.0"],
+}
+
+
+def shifted_scores(fs, dirs):
+    """Per seed, from each run's final.json (train.py --eval-shift all): the dev accuracy on the original topology
+    ("acc"), its mean and worst over the shifts s = 1 .. b-1, the accuracy at each ("acc_by_shift": [original,
+    s = 1, 2, ...]) and the drop under shifting, acc - the shifts' mean (methods.md §2.3)."""
+    cols = collections.defaultdict(list)
+    for f, d in zip(fs, dirs):
+        dev = f["dev"]["dev"]
+        if "shift" not in dev:
+            fail(f"{d}/final.json has no shifted scores (a run without --eval-shift all): remove it to rerun")
+        cols["acc"].append(dev["acc"])
+        cols["acc_shift_mean"].append(dev["shift"]["mean"]["acc"])
+        cols["acc_shift_worst"].append(dev["shift"]["worst"]["acc"])
+        cols["acc_by_shift"].append([dev["acc"]] + [m["acc"] for m in dev["shift"]["by"].values()])
+        cols["shift_drop"].append(dev["acc"] - dev["shift"]["mean"]["acc"])
+        cols["wall_time_s"].append(f["wall_time_s"])
+    return dict(cols)
+
+
+SPARSE_HEADER = ("dev acc (%) | per seed (%) | shifted, mean over s (%) | shifted, worst s (%) | drop under shift "
+                 "(points) | paired diff to hst (points, 95% CI) | same, worst s | same, drop | time per run (s)")
+
+
+def sparse_cells(raw, name):
+    """SPARSE_HEADER's cells of row `name` of one table (raw: {row: shifted_scores}), paired to raw["hst"]."""
+    cols, diff = raw[name], lambda col: fmt_diff(raw["hst"][col], raw[name][col])
+    per_seed = " / ".join(f"{100 * x:.1f}" for x in cols["acc"])        # shows a run left at the majority class
+    return (f"{fmt(cols['acc'])} | {per_seed} | {fmt(cols['acc_shift_mean'])} | {fmt(cols['acc_shift_worst'])} "
+            f"| {fmt(cols['shift_drop'])} | {diff('acc')} | {diff('acc_shift_worst')} | {diff('shift_drop')} "
+            f"| {statistics.mean(cols['wall_time_s']):.0f}")
+
+
+# -----------------------------------------------------------------------------
+# ERNIE-Sparse from scratch on generated ListOps: short (a sanity check), and at LRA's lengths (topology matters)
+
+# b = 8, window 1, one global token ([CLS]), no random blocks; a 2 x 64 model, 5 epochs of 5,000 sequences
+SHORT_DATA = dict(n_train=5000, n_val=500, n_test=100, min_len=10, max_len=60, max_depth=3, max_args=4, seed=1)
+SHORT_FLAGS = ["--task", "listops", "--init", "scratch", "--layers", "2", "--hidden", "64", "--heads", "4",
+               "--ffn", "128", "--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0",
+               "--epochs", "5", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "0",
+               "--attn-dropout", "standard", "--sar", "0", "--eval-shift", "all"]
+# LRA's recipe (depth 10, up to 10 arguments) at 500-1,000 tokens, not LRA's 500-2,000 (that would double every
+# run on 2 CPU cores); 20,000 training sequences (LRA: 96,000)
+LONG_DATA = dict(n_train=20000, n_val=500, n_test=100, min_len=500, max_len=1000, seed=1)
+# b = 32 cuts a sequence into 16-32 blocks; a token sees its own and both neighbouring blocks (96 tokens), one
+# random block, [CLS] and (HST) its block's representative: tokens further apart than the window meet only
+# through those (methods.md §2.1, §2.2)
+LONG_TOPOLOGY = ["--block-size", "32", "--window", "1", "--num-global", "1", "--num-random", "1"]
+# the grid's model: the smallest of LONG_CANDIDATES that learned (2 x 64 stayed at the majority class for 1,000
+# steps, 2 x 128 reached 34% by step 300; docs/results.md); LRA: 6 layers, d 512
+LONG_MODEL = ["--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256"]
+# no attention dropout (LRA: 0.1), hidden dropout 0.1; one evaluation, of the final weights, after 500 steps of
+# batch 32 (0.8 epoch; LRA: 5,000 steps): the candidates' curves are flat after step 300
+LONG_COMMON = ["--task", "listops", "--init", "scratch", "--max-len", "1000", "--batch-size", "32", "--lr", "1e-3",
+               "--attn-dropout", "none", "--sar", "0", "--eval-every", "1000000"]
+LONG_FLAGS = [*LONG_COMMON, "--max-steps", "500", *LONG_MODEL, *LONG_TOPOLOGY, "--eval-shift", "all"]
+LONG_CANDIDATES = {         # model sizes whose learning curves (hst, one seed, 1,000 steps) chose LONG_MODEL
+    "2x64": ["--layers", "2", "--hidden", "64", "--heads", "4", "--ffn", "128"],
+    "2x128": ["--layers", "2", "--hidden", "128", "--heads", "4", "--ffn", "256"],
+    "4x64": ["--layers", "4", "--hidden", "64", "--heads", "4", "--ffn", "128"],
+}
+LONG_CURVE = ["--max-steps", "1000", "--eval-every", "100"]      # --candidates: a dev score every 100 steps
+LISTOPS = {"listops": (SHORT_DATA, SHORT_FLAGS), "listops-long": (LONG_DATA, LONG_FLAGS)}   # data, flags
+
+
+def listops_data(a, name):
+    """OUT/NAME-data: the grid's ListOps (data.write_listops), generated once; a folder already there is used."""
+    folder = os.path.join(a.out, f"{name}-data")
+    if not os.path.exists(os.path.join(folder, "basic_val.tsv")):
+        print(f"generating {folder}: data.write_listops({LISTOPS[name][0]})", flush=True)
+        if not a.dry_run:
+            data.write_listops(folder, **LISTOPS[name][0])
+    return folder
+
+
+def listops_grid(a):
+    """The ERNIE-Sparse rows on generated ListOps, seed-major (every row's seed 0 first), each run's final
+    weights scored on the original topology and under every shift; paired differences to hst."""
+    folder = listops_data(a, a.experiment)
+    if a.candidates:
+        return listops_candidates(a, folder)
+    finals, dirs = collections.defaultdict(list), collections.defaultdict(list)
+    for s in a.seeds:
+        for name in chosen(a, SPARSE_ROWS):
+            out = os.path.join(a.out, f"{a.experiment}-{run_name(name)}-s{s}")
+            flags = [*LISTOPS[a.experiment][1], *SPARSE_ROWS[name], "--data", folder, *a.extra, "--seed", str(s)]
+            finals[name].append(run_train(flags, out, a))
+            dirs[name].append(out)
+    if a.dry_run:
+        return
+    raw = {name: shifted_scores(fs, dirs[name]) for name, fs in finals.items()}
+    f0 = finals["hst"][0]
+    table = [f"| attention | {SPARSE_HEADER} |", "|---" * 10 + "|",
+             *[f"| {name} | {sparse_cells(raw, name)} |" for name in raw]]
+    note = (f"Generated ListOps (data.write_listops({LISTOPS[a.experiment][0]})); majority-class baseline "
+            f"{100 * f0['majority_baseline']:.1f}%. Seeds {a.seeds}; mean +- std over seeds of the final weights' "
+            f"dev accuracy; paired difference to hst with a 95% t-interval over seeds. Shifted: every s = 1 .. "
+            f"{f0['config']['block_size'] - 1} (train.py --eval-shift all; dense: s = 1 alone, a shift moves no "
+            f"block boundary). Flags: {' '.join(LISTOPS[a.experiment][1] + a.extra)}")
+    write_table(a, "results_" + a.experiment.replace("-", "_"), table, note, raw)
+
+
+def listops_candidates(a, folder):
+    """listops-long --candidates: the learning curve (dev accuracy every 100 steps, original topology) of each
+    LONG_CANDIDATES size, hst, the first --seeds value; the smallest that learns is the grid's LONG_MODEL."""
+    s, curves, walls = a.seeds[0], {}, {}
+    for name in chosen(a, LONG_CANDIDATES, baseline=False):          # --variants 2x64 2x128: only these sizes
+        out = os.path.join(a.out, f"listops-long-candidate-{name}-s{s}")
+        flags = [*LONG_COMMON, *LONG_CURVE, *LONG_CANDIDATES[name], *LONG_TOPOLOGY, "--attention", "hst",
+                 "--data", folder, *a.extra, "--seed", str(s)]
+        f = run_train(flags, out, a)
+        if f is not None:
+            log = read_jsonl(os.path.join(out, "log.jsonl"))
+            curves[name] = {r["step"]: r["dev"]["dev"]["acc"] for r in log if "dev" in r}
+            walls[name] = f["wall_time_s"]
+    if a.dry_run:
+        return
+    steps = sorted({step for c in curves.values() for step in c})
+    cell = lambda c, step: f"{100 * c[step]:.1f}" if step in c else "-"
+    table = [f"| step | {' | '.join(curves)} |", "|---" * (len(curves) + 1) + "|",
+             *[f"| {step} | {' | '.join(cell(c, step) for c in curves.values())} |" for step in steps],
+             f"| time per run (s) | {' | '.join(f'{w:.0f}' for w in walls.values())} |"]
+    note = (f"Dev accuracy (%) on the original topology; hst attention, seed {s}; majority-class baseline "
+            f"{100 * f['majority_baseline']:.1f}%. Candidates: {({n: LONG_CANDIDATES[n] for n in curves})}. "
+            f"Flags: {' '.join(LONG_COMMON + LONG_CURVE + LONG_TOPOLOGY + a.extra)}")
+    write_table(a, "results_listops_long_candidates", table, note, {"curves": curves, "wall_time_s": walls})
+
+
+# -----------------------------------------------------------------------------
+# The shift probe: what a shift does to the trained listops-long models' answers (methods.md §2.3)
+
+def probe_shifts(b):
+    """The shifts the probe scores: 1 and a quarter, half and three quarters of the block (b = 32: 1, 8, 16, 24)."""
+    return sorted({1, max(1, b // 4), max(1, b // 2), max(1, 3 * b // 4)})
+
+
+def window_change(s, b):
+    """The mean share of a token's window keys (its block and both neighbours, 3b tokens) a shift by s replaces.
+    A token at offset o keeps its block when o + s < b (b - s offsets; the window moves by s tokens), else it
+    moves to the next (s offsets; the window moves by b - s): ((b - s) s + s (b - s)) / b / (3b)."""
+    return 2 * s * (b - s) / (3 * b * b)                  # = 2 s (b - s) / (3 b^2): at most 1/6, at s = b/2
+
+
+def listops_long_probe(a):
+    """Per listops-long run (its ckpt_last.pt), the dev predictions on the original topology against those under
+    each shift of probe_shifts: the share of sequences whose predicted class changes, and the symmetric KL of
+    the two outputs (sar.consistency, what SAR trains down). Accuracy moves only when a prediction flips between
+    right and wrong; these two say whether the shift changes the model's output at all."""
+    torch.set_num_threads(a.threads)
+    folder, tok = os.path.join(a.out, "listops-long-data"), data.fixed_tokenizer("listops")
+    if not os.path.isdir(folder):
+        fail(f"{folder}: no such folder (run `python research/experiments.py listops-long --out {a.out}` first)")
+    task = data.load_task("listops", folder, tok, max_len=1000)
+    batches = data_batches(task.dev["dev"], 32, tok.pad_id)
+    dev_ops = [outermost_operator(row) for bt in batches for row in bt["input_ids"].tolist()]   # batch order
+    rule = operator_rule(task.train)                      # the shortcut: each operator's commonest training label
+    rule_acc = statistics.mean(float(rule.get(outermost_operator(e.ids)) == e.label) for e in task.dev["dev"])
+    rows, raw = [], {}
+    for name in [n for n in chosen(a, SPARSE_ROWS) if n != "dense"]:   # dense: no block boundary to move
+        raw[name] = []
+        for s in a.seeds:
+            path = os.path.join(a.out, f"listops-long-{run_name(name)}-s{s}", "ckpt_last.pt")
+            if not os.path.exists(path):
+                fail(f"{path}: no such checkpoint (run `python research/experiments.py listops-long` first)")
+            cfg, state, _, _ = read_checkpoint(path)
+            shifts = probe_shifts(cfg.block_size)
+            kept = os.path.join(os.path.dirname(path), "shift_probe.json")   # a run is probed once
+            if os.path.exists(kept) and os.path.getmtime(kept) > os.path.getmtime(path):
+                effects = json.load(open(kept))
+            else:
+                effects = shift_effects(build_model(cfg, state, path).eval(), batches, shifts)
+                effects["0"]["by_operator"] = operator_share(effects["0"].pop("pred"), dev_ops)
+                with open(kept, "w") as f:
+                    json.dump(effects, f)
+            raw[name].append(effects)
+            cells = [f"{100 * effects[sh]['flip']:.1f} / {effects[sh]['kl']:.1e}" for sh in map(str, shifts)]
+            rows.append(f"| {name} | {s} | {100 * effects['0']['acc']:.1f} | {100 * effects['0']['by_operator']:.1f} "
+                        f"| {' | '.join(cells)} |")      # one line a run: a run left at the majority class shows
+    b = cfg.block_size
+    table = [f"| attention | seed | dev acc (%) | answers fixed by the outermost operator (%) "
+             f"| {' | '.join(f's = {sh}: changed (%) / KL' for sh in shifts)} |", "|---" * (len(shifts) + 4) + "|",
+             f"| (window keys a shift replaces, %) | | | | "
+             f"{' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |", *rows]
+    shortcut = ", ".join(f"{tok.SYMBOLS[op]} -> {y}" for op, y in sorted(rule.items()))
+    note = (f"Each run's final weights (ckpt_last.pt), the {len(task.dev['dev'])} dev sequences. Answers fixed by "
+            f"the outermost operator: the share of sequences whose prediction is the model's commonest prediction "
+            f"for that sequence's first operator token (100% = the answer is a function of that one token); "
+            f"predicting each operator's commonest training label scores {100 * rule_acc:.1f}% ({shortcut}). "
+            f"Shift cells: predictions the shift changes (%) / symmetric KL between the original and the shifted "
+            f"outputs (mean). The first row: the share of a token's window keys the shift replaces, "
+            f"2 s (b - s) / (3 b^2) with b = {b}.")
+    write_table(a, "results_listops_long_shift_probe", table, note, raw)
+
+
+def outermost_operator(ids):
+    """The first operator token of a ListOps sequence (parentheses are not tokens: it sits right after [CLS])."""
+    return next((i for i in ids if data.ListOpsTokenizer.SYMBOLS[i].startswith("[")), None)
+
+
+def counts_by(keys, values):
+    """{key: Counter of the values that come with it}."""
+    counts = collections.defaultdict(collections.Counter)
+    for k, v in zip(keys, values):
+        counts[k][v] += 1
+    return counts
+
+
+def operator_rule(examples):
+    """{outermost operator id: its commonest label} over `examples` (ListOps' one-token shortcut)."""
+    counts = counts_by((outermost_operator(e.ids) for e in examples), (e.label for e in examples))
+    return {op: c.most_common(1)[0][0] for op, c in counts.items()}
+
+
+def operator_share(preds, ops):
+    """The share of predictions equal to the commonest prediction among sequences of the same outermost operator:
+    1.0 when the prediction is a function of that one token."""
+    return sum(c.most_common(1)[0][1] for c in counts_by(ops, preds).values()) / len(preds)
+
+
+def data_batches(examples, batch_size, pad_id):
+    """The examples in fixed, longest-first batches on the CPU, as train.py's evaluation makes them."""
+    return list(data.make_batches(data.longest_first(examples), batch_size, pad_id=pad_id, seed=0, epoch=0,
+                                  shuffle=False))
+
+
+@torch.no_grad()
+def shift_effects(model, batches, shifts):
+    """{str(s): {"acc", "flip": share of changed argmax, "kl": mean symmetric KL}} of `model` (eval mode) under
+    each shift s against the original topology ("0": the original's accuracy and predictions, batch order)."""
+    correct = lambda z, bt: (z.argmax(-1) == bt["labels"]).sum().item()
+    n = sum(bt["labels"].numel() for bt in batches)
+    base = [model(bt["input_ids"], bt["attention_mask"], bt["token_type_ids"]) for bt in batches]    # [B, C] each
+    out = {"0": {"acc": sum(correct(z0, bt) for z0, bt in zip(base, batches)) / n,
+                 "pred": torch.cat([z0.argmax(-1) for z0 in base]).tolist()}}
+    for s in shifts:
+        acc = flips = kls = 0.0
+        for bt, z0 in zip(batches, base):                 # the content keeps its positions; the blocks move by s
+            ids, mask, pos, types = sar.shift(bt["input_ids"], bt["attention_mask"], s, model.cfg.pad_id,
+                                              model.position_ids(bt["input_ids"]), bt["token_type_ids"])
+            z = model(ids, mask, types, pos)                                                           # [B, C]
+            acc += correct(z, bt)
+            flips += (z.argmax(-1) != z0.argmax(-1)).sum().item()
+            kls += sar.consistency(z0, z).item() * z.size(0)        # 1/2 (KL(p0 || p_s) + KL(p_s || p0)), §2.3
+        out[str(s)] = {"acc": acc / n, "flip": flips / n, "kl": kls / n}
+    return out
+
+
+# -----------------------------------------------------------------------------
+# The papers' regime: fine-tuning a pretrained checkpoint (--init) on SST-2 and MR
+
+# Sized for 2 CPU cores: max length 64 covers 99.9% of SST-2 / MR sentences in MiniLM's WordPiece tokens; lr 1e-4
+# suits a 6-layer MiniLM; the final weights are scored (no dev-based checkpoint picking: SST-2's dev is its test)
+PRE_COMMON = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--max-len", "64", "--batch-size", "32",
+              "--lr", "1e-4", "--attn-dropout-p", "0.1",
+              "--eval-every", "1000000", "--save-every", "0"]   # one evaluation and one checkpoint, at the end
+SUBSAMPLE, SUBSAMPLE_SEED = 1000, 0     # lowres: the first 1,000 lines of the training file after a fixed shuffle
+PRE_SETTINGS = {"lowres": (SUBSAMPLE, 3), "full": (None, 1)}    # setting -> (training examples or None: all, epochs)
+DEFAULT_DATASETS = ["sst2", "mr"]
+ATTENDOUT_ROWS = {          # the baseline first; "scheduled" replays the attendout run of its set, setting and seed
+    "standard": ["--attn-dropout", "standard"],
+    "none": ["--attn-dropout", "none"],
+    "attendout": ["--attn-dropout", "attendout"],
+    "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],
+    "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
+    "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
+}
+# b = 8 gives 3-4 blocks for a typical sentence; window 1, one global token ([CLS]), no random blocks
+PRE_SPARSE_TOPOLOGY = ["--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0"]
+
+
+def write_subsample(src, n, seed, path):
+    """The lowres training file: the first n lines of `src` after random.Random(seed).shuffle. Same input, same
+    file, on any machine (Python's Mersenne Twister shuffle is fixed across versions). Returns path."""
+    with open(src) as f:
+        lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+    random.Random(seed).shuffle(lines)
+    text = "".join(lines[:n])
+    if not (os.path.exists(path) and open(path).read() == text):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)                  # atomic: a stopped grid never leaves half a file
+    return path
+
+
+def setting_flags(a, ds, setting):
+    """(--data and --train-file flags, epochs) of one data set in one setting."""
+    folder = os.path.join(a.data_root, ds)
+    if not os.path.isfile(os.path.join(folder, "train.tsv")):
+        fail(f"--data-root {a.data_root}: no {ds}/train.tsv (label<TAB>sentence, with dev.tsv)")
+    n, epochs = PRE_SETTINGS[setting]
+    flags = ["--data", folder]
+    if n is not None:        # named by the source file's content too: another --data-root never reuses it
+        with open(os.path.join(folder, "train.tsv"), "rb") as f:
+            tag = hashlib.md5(f.read()).hexdigest()[:8]
+        sub = os.path.join(a.out, "subsample", f"{ds}-train-{n}-seed{SUBSAMPLE_SEED}-{tag}.tsv")
+        flags += ["--train-file", write_subsample(os.path.join(folder, "train.tsv"), n, SUBSAMPLE_SEED, sub)]
+    return flags, epochs
+
+
+def pretrained_runs(a, rows, common):
+    """Run (or, --dry-run, print) the grid: {(ds, setting, row): [final.json per seed]} and the run folders.
+    Seed-major, so a grid stopped early has whole rows at fewer seeds. The checkpoints (270 MB a run) go unless
+    --keep-ckpt: the tables need only final.json and droprates.jsonl."""
+    finals, dirs = collections.defaultdict(list), collections.defaultdict(list)
+    for setting in a.settings:
+        for ds in a.datasets:
+            flags, epochs = setting_flags(a, ds, setting)
+            for s in a.seeds:
+                for name in chosen(a, rows):
+                    out = os.path.join(a.out, f"{ds}-{setting}-{run_name(name)}-s{s}")
+                    ao_out = os.path.join(a.out, f"{ds}-{setting}-attendout-s{s}")
+                    extra = [x.format(attendout_out=ao_out) for x in rows[name]]
+                    f = run_train([*PRE_COMMON, *common, "--init", a.init, *flags, "--epochs", str(epochs), *extra,
+                                   *a.extra, "--seed", str(s)], out, a)
+                    finals[(ds, setting, name)].append(f)
+                    dirs[(ds, setting, name)].append(out)
+                    if f is not None and not a.keep_ckpt:
+                        drop_checkpoints(out)
+    return finals, dirs
+
+
+def drop_checkpoints(folder):
+    for name in ("ckpt_last.pt", "ckpt_best.pt"):
+        if os.path.exists(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
+
+
+def settings_suffix(a):
+    """'' for the default settings and data sets (lowres; sst2 and mr), else e.g. '_full' or '_mr': each choice
+    writes its own table and figure, so a partial run does not overwrite the whole one."""
+    parts = ([] if a.settings == ["lowres"] else a.settings) + ([] if a.datasets == DEFAULT_DATASETS else a.datasets)
+    return "".join("_" + p for p in parts)
+
+
+def pretrained_note(a, extra=""):
+    settings = "; ".join(f"{s}: {PRE_SETTINGS[s][0] or 'all'} training examples, {PRE_SETTINGS[s][1]} epoch(s)"
+                         for s in a.settings)
+    return (f"Fine-tuned from {a.init}; {settings} (lowres: the first {SUBSAMPLE} lines after random.Random("
+            f"{SUBSAMPLE_SEED}).shuffle, write_subsample). Seeds {a.seeds}; mean +- std over seeds of the final "
+            f"weights' dev accuracy; paired difference to the baseline row with a 95% t-interval over seeds. "
+            f"{extra}Flags: {' '.join(PRE_COMMON + a.extra)}")
+
+
+def pretrained_sparse(a):
+    """The ERNIE-Sparse rows fine-tuned, each scored on its final weights under every shift s = 1 .. 7."""
+    finals, dirs = pretrained_runs(a, SPARSE_ROWS, [*PRE_SPARSE_TOPOLOGY, "--eval-shift", "all"])
+    if a.dry_run:
+        return
+    raw, rows = collections.defaultdict(dict), []
+    for (ds, setting, name), fs in finals.items():
+        raw[f"{ds}-{setting}"][name] = shifted_scores(fs, dirs[(ds, setting, name)])
+        rows.append(f"| {ds} | {setting} | {name} | {sparse_cells(raw[f'{ds}-{setting}'], name)} |")
+    table = [f"| data | setting | attention | {SPARSE_HEADER} |", "|---" * 12 + "|", *rows]
+    note = pretrained_note(a, "Shifted: s = 1 .. 7 (train.py --eval-shift all; dense: s = 1 alone). Topology: "
+                              + " ".join(PRE_SPARSE_TOPOLOGY) + ". ")
+    write_table(a, "results_pretrained_sparse" + settings_suffix(a), table, note, raw)
+
+
+def pretrained_attendout(a):
+    """Each attention-dropout row's dev accuracy and paired difference to standard dropout; attendout - scheduled
+    (what AttendOut's choice of pairs adds beyond its per-layer rates, which scheduled replays); the figure of
+    the attendout runs' per-layer drop rates."""
+    finals, _ = pretrained_runs(a, ATTENDOUT_ROWS, [])
+    if a.dry_run:
+        return
+    raw, rows = collections.defaultdict(dict), []
+    for (ds, setting, name), fs in finals.items():
+        acc = raw[f"{ds}-{setting}"][name] = [f["dev"]["dev"]["acc"] for f in fs]
+        rows.append(f"| {ds} | {setting} | {name} | {fmt(acc)} | {fmt_diff(raw[f'{ds}-{setting}']['standard'], acc)} "
+                    f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
+    table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) "
+             "| time per run (s) |", "|---|---|---|---|---|---|", *rows]
+    contrasts = [f"| {key} | attendout - scheduled | {fmt_diff(r['scheduled'], r['attendout'])} |"
+                 for key, r in raw.items() if "scheduled" in r and "attendout" in r]
+    if contrasts:                                        # the two rows paired by seed
+        table += ["", "| data-setting | contrast (row - row) | paired diff, 95% CI (points) |", "|---|---|---|",
+                  *contrasts]
+    write_table(a, "results_pretrained_attendout" + settings_suffix(a), table, pretrained_note(a), raw)
+    if "attendout" in chosen(a, ATTENDOUT_ROWS):
+        plot_droprates(a)
+
+
+def plot_droprates(a):
+    """droprates_pretrained[_SUFFIX].png: the attendout runs' per-layer drop rate over training (mean over
+    seeds), a panel per (data set, setting); the final rates also go to droprates_pretrained[_SUFFIX]_final.json."""
+    name = "droprates_pretrained" + settings_suffix(a)
+    panels = [(ds, st) for st in a.settings for ds in a.datasets]
+    final = {}
+    try:
+        import matplotlib
+        matplotlib.use("Agg")                            # headless
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    except ImportError:
+        plt, axes = None, [[None] * len(panels)]
+    for ax, (ds, st) in zip(axes[0], panels):
+        logs = [read_jsonl(os.path.join(a.out, f"{ds}-{st}-attendout-s{s}", "droprates.jsonl")) for s in a.seeds]
+        n, layers = min(map(len, logs)), len(logs[0][0]["drop_rate"])
+        mean = lambda i, l: statistics.mean(log[i]["drop_rate"][l] for log in logs)     # over seeds
+        final[f"{ds}-{st}"] = [round(mean(n - 1, l), 3) for l in range(layers)]
+        if ax is not None:
+            frac = [logs[0][i]["step_frac"] for i in range(n)]
+            for l in range(layers):
+                ax.plot(frac, [mean(i, l) for i in range(n)], label=f"layer {l + 1}")
+            ax.set(title=f"AttendOut drop rate per layer ({ds}, {st})", xlabel="fraction of training",
+                   ylabel="mean drop probability")
+            ax.legend(fontsize=7)
+    with open(os.path.join(a.tables, f"{name}_final.json"), "w") as f:
+        json.dump(final, f)
+    if plt is not None:
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.tables, f"{name}.png"), dpi=120)
+    print(f"final per-layer drop rates: {final}" + ("" if plt else " (matplotlib is not installed: no figure)"))
+
+
+# -----------------------------------------------------------------------------
+# The trained-G-Net probe (methods.md §3.4): what AttendOut's learned mask does to the attention rows
+
+PROBE_SENTENCES, PROBE_DRAWS = 64, 20   # the first 64 dev sentences; 20 training-mode forwards (mask draws) each
+
+
+def cls_change(model, ids, mask, h_eval):
+    """How far one training-mode forward moves the [CLS] output from h_eval [B, d] (the eval output): relative
+    L2, mean over the batch. The caller seeds the draw."""
+    h = model.train().encode(ids, mask)[:, 0]                                         # [B, d]
+    return ((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item()           # |h - h_eval| / |h_eval|
+
+
+def attendout_trained_probe(a):
+    """--init: the ckpt_last.pt of a dense AttendOut run. Over PROBE_DRAWS training-mode forwards of the first dev
+    sentences (hidden dropout off), per layer, over the real (query, key) pairs with A > 0:
+        drop rate    r_l, the share of pairs with A' = 0 (the mean pi the budget holds)
+        largest key  how often each row's largest key is dropped (plain dropout: r_l, like any key)
+        noise        E sum_j (A'_ij - A_ij)^2 over rows, against plain inverted dropout's on the same A,
+                     sum_j A_ij^2 p / (1 - p), at p = p0 and at p = r_l (what the choice of pairs adds)
+        row sum      mean and largest sum_j A'_ij (1 under plain dropout on average; at most 1 / (1 - 0.5))
+    and how far the [CLS] output moves from the eval output under the trained G-Net, under plain dropout at its
+    layer rates r_l (what scheduled dropout does) and under standard dropout at p0, all on the same weights."""
+    torch.set_num_threads(a.threads)
+    cfg, state, tok_files, _ = read_checkpoint(a.init)
+    if cfg.attn_dropout != "attendout" or cfg.attention != "dense":
+        fail(f"--init {a.init}: attendout-trained-probe needs the checkpoint of a dense AttendOut run "
+             f"(this one: {cfg.attention} attention, --attn-dropout {cfg.attn_dropout})")
+    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
+    task = data.load_task("tsv", os.path.join(a.data_root, a.datasets[0]), tok, max_len=64, text_col=1, label_col=0)
+    batch = data.collate(task.dev["dev"][:PROBE_SENTENCES], tok.pad_id)
+    ids, mask = batch["input_ids"], batch["attention_mask"]                          # [B, L]
+    quiet = apply_overrides(cfg, {"hidden_dropout_p": 0.0})      # only the attention dropout draws
+    p0, L = quiet.attn_dropout_p, quiet.num_layers
+    trained, seen = build_model(quiet, state, a.init), []      # seen: (layer, A, A', valid) of every mask drawn
+    for l, mod in enumerate(attendout.attendout_modules(trained)):
+        mod.hook = recording(l, mod.hook, seen)          # on the instance: the model's code path is unchanged
+    sums = {k: [0.0] * L for k in ("pairs", "dropped", "rows", "top_dropped", "noise", "A2", "rowsum")}
+    row_max, change = [0.0] * L, {}
+    with torch.no_grad():
+        h_eval = trained.eval().encode(ids, mask)[:, 0]                              # [B, d]
+
+        def moved(m):                                    # per draw: the [CLS] change, and the masks recorded
+            for draw in range(PROBE_DRAWS):
+                torch.manual_seed(draw)
+                seen.clear()
+                yield cls_change(m, ids, mask, h_eval), list(seen)
+        change["AttendOut (trained G-Net)"] = []
+        for c, masks in moved(trained):
+            change["AttendOut (trained G-Net)"].append(c)
+            for l, A, out, valid in masks:               # A, A': [B, H, L, L]; valid: broadcastable to A
+                pair = valid.expand_as(A) & (A > 0)
+                row = pair.any(-1)                                                   # [B, H, L] real query rows
+                top = A.argmax(-1, keepdim=True)                                     # [B, H, L, 1]
+                sums["pairs"][l] += pair.sum().item()
+                sums["dropped"][l] += (pair & (out == 0)).sum().item()
+                sums["rows"][l] += row.sum().item()
+                sums["top_dropped"][l] += (out.gather(-1, top).squeeze(-1) == 0)[row].sum().item()
+                sums["noise"][l] += ((out - A) ** 2).sum(-1)[row].sum().item()      # sum_j (A' - A)^2
+                sums["A2"][l] += (A ** 2).sum(-1)[row].sum().item()                 # sum_j A^2
+                sums["rowsum"][l] += out.sum(-1)[row].sum().item()                  # sum_j A'
+                row_max[l] = max(row_max[l], out.sum(-1)[row].max().item())
+        rates = [sums["dropped"][l] / sums["pairs"][l] for l in range(L)]           # r_l
+        plain = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)   # at p0
+        change[f"standard dropout {p0:g}"] = [c for c, _ in moved(plain)]
+        for layer, r in zip(plain.layers, rates):
+            layer.attn.drop.p = r                        # plain Bernoulli dropout at the G-Net's layer rate
+        change["plain dropout at the G-Net's layer rates"] = [c for c, _ in moved(plain)]
+    inverted = lambda l, p: sums["A2"][l] * p / (1 - p)  # inverted dropout's noise: E (A'-A)^2 = A^2 p / (1 - p)
+    lines = ["| layer | drop rate | largest key dropped | noise / standard's | noise / plain at the layer's rate "
+             "| mean row sum | largest row sum |", "|---|---|---|---|---|---|---|"]
+    for l in range(L):
+        c = {k: v[l] for k, v in sums.items()}
+        lines.append(f"| {l + 1} | {rates[l]:.3f} | {c['top_dropped'] / c['rows']:.3f} "
+                     f"| {c['noise'] / inverted(l, p0):.2f} | {c['noise'] / inverted(l, rates[l]):.2f} "
+                     f"| {c['rowsum'] / c['rows']:.3f} | {row_max[l]:.2f} |")
+    lines += ["", "| attention dropout | [CLS] output change against eval (relative L2, mean of draws) |", "|---|---|"]
+    lines += [f"| {name} | {statistics.mean(v):.3f} |" for name, v in change.items()]
+    note = (f"{a.init}, the first {ids.size(0)} dev sentences of {a.datasets[0]}, hidden dropout off, {PROBE_DRAWS} "
+            f"draws; noise against plain inverted dropout on the same attention probabilities, at p0 = {p0:g} and "
+            f"at the layer's measured drop rate.")
+    write_table(a, f"probe_attendout_trained_{a.datasets[0]}", lines, note)
+    return sums
+
+
+def recording(l, hook, seen):
+    """A G-Net hook that also appends (l, A, A', valid) of each mask it applies to `seen`."""
+    def wrapped(x):
+        drop_fn = hook(x)
+
+        def record(A, valid, pair_scores):
+            out = drop_fn(A, valid, pair_scores)         # A' = A k / (1 - pi), methods.md §3.1
+            seen.append((l, A.detach(), out.detach(), valid))
+            return out
+        return record
+    return wrapped
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-long-probe": listops_long_probe,
+               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout,
+               "attendout-trained-probe": attendout_trained_probe}
+
+
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("experiment", choices=list(EXPERIMENTS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (pretrained-attendout: 0-4)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads)")
+    ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT)")
+    ap.add_argument("--tables", default=os.path.join("out", "tables"), help="where the tables and figures go")
+    ap.add_argument("--data-root", default=os.path.join("data", "text"),
+                    help="pretrained-*, the probe: a folder with sst2/ and mr/ (train.tsv, dev.tsv: label<TAB>text)")
+    ap.add_argument("--datasets", nargs="+", default=DEFAULT_DATASETS)
+    ap.add_argument("--init", default=None, help="pretrained-*: a converted checkpoint (python model.py convert)")
+    ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),
+                    help="pretrained-*: lowres (1,000 training examples) and / or full")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="only these rows (the first row, the baseline, must be among them); --candidates: sizes")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                    help="more train.py flags for every run (last on the line, so they win: --extra --lr 1e-3)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs, run nothing")
+    ap.add_argument("--candidates", action="store_true", help="listops-long: the candidate sizes' learning curves")
+    ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
+    a = ap.parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
+    if a.seeds is None:
+        a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]
+    a.out = a.out or os.path.join("out", "listops-long" if a.experiment == "listops-long-probe" else a.experiment)
+    if a.candidates and a.experiment != "listops-long":
+        fail("--candidates: only for listops-long")
+    if a.experiment.startswith(("pretrained", "attendout")):
+        if a.init is None:
+            fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
+        if not os.path.exists(a.init):
+            fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+    if a.threads < 1:
+        fail(f"--threads {a.threads}: must be >= 1")
+    if not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds):
+        fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
+    with one_line_errors():
+        os.makedirs(a.out, exist_ok=True)
+        return EXPERIMENTS[a.experiment](a)
+
+
+if __name__ == "__main__":
+    main()
