@@ -434,33 +434,6 @@ def _find_split(folder, stem):                                   # DIR/train.tsv
         raise DataError(f"{folder}: no {stem}.tsv, {stem}.csv or {stem}.jsonl")
     return found[0]
 
-def read_mlm(paths, tok, max_len, stats):
-    """Plain text, a document a line -> [cls] pieces [sep] chunks of max_len - 2 pieces (label 0: mask_tokens
-    draws the MLM labels per batch); stats["truncated"] counts the lines split into chunks."""
-    examples = []
-    for path in paths:
-        for line in io.StringIO(read_text(path), newline=None):
-            content = tok.encode(line.rstrip("\n"))[1:-1] if line.strip() else []   # without [cls] and [sep]
-            chunk = max(1, max_len - 2 if max_len is not None else len(content))    # no max_len: the whole line
-            stats["truncated"] += len(content) > chunk
-            examples += [Example([tok.cls_id] + content[s:s + chunk] + [tok.sep_id], None, 0)
-                         for s in range(0, len(content), chunk)]
-    return examples
-
-def _mlm_paths(data_dir, train_file=None, dev_file=None):
-    """(training .txt files, dev .txt files): --train-file, else DIR/train.txt, else DIR's other .txt files
-    (not dev.txt / valid.txt), else --data itself; dev: --dev-file, DIR/dev.txt or DIR/valid.txt."""
-    in_dir = lambda names: [os.path.join(data_dir, n) for n in names if os.path.isfile(os.path.join(data_dir, n))]
-    if train_file or not os.path.isdir(data_dir):
-        train = [train_file or data_dir]
-    else:
-        train = in_dir(["train.txt"]) or in_dir(sorted(f for f in os.listdir(data_dir) if f.endswith(".txt")
-                                                      and f not in ("dev.txt", "valid.txt")))
-    if not train or not all(os.path.isfile(p) for p in train):
-        raise DataError(f"{data_dir}: no .txt files for mlm")
-    dev = [dev_file] if dev_file else in_dir(["dev.txt", "valid.txt"])[:1] if os.path.isdir(data_dir) else []
-    return train, dev
-
 # ---- 3. The task table: each task's reader, the objective train.py trains it with, how the console shows it --
 # A reader: (name, data_dir, tok, *, max_len, train_file, dev_file, text_col, text_pair_col, label_col) -> TaskData.
 
@@ -489,17 +462,12 @@ def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None
     dev = read(dev_file or os.path.join(data_dir, "basic_val.tsv"))
     return TaskData(train, {"dev": dev}, 10, False, "acc", list(digits), stats["truncated"])
 
-def load_mlm(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
-    (train_paths, dev_paths), stats = _mlm_paths(data_dir, train_file, dev_file), {"truncated": 0}
-    train = read_mlm(train_paths, tok, max_len, stats)
-    if not train:
-        raise DataError(f"{train_paths[0]}:1: empty file")
-    dev = {"dev": read_mlm(dev_paths, tok, max_len, stats)} if dev_paths else {}
-    return TaskData(train, dev, 0, False, "loss", [], stats["truncated"])
+def elsewhere(name):                                               # on first use: the six never load readers/
+    from readers import lra, mlm, qa
+    return {"squad": qa, "mlm": mlm}.get(name, lra)
 
 def load_elsewhere(name, data_dir, tok, **files):
-    from readers import lra, qa                                    # on first use: the six never load readers/
-    return (qa if name == "squad" else lra).load(name, data_dir, tok, **files)
+    return elsewhere(name).load(name, data_dir, tok, **files)
 
 @dataclass(frozen=True)
 class Task:
@@ -524,7 +492,7 @@ TASKS = {
     "lra-image": Task(load_elsewhere, max_len=1025, tokenizer=ByteTokenizer),        # 32 x 32 pixels + [cls]
     "lra-pathfinder": Task(load_elsewhere, max_len=1025, tokenizer=ByteTokenizer),
     "squad": Task(load_elsewhere, "span", metric="f1", percent=("em", "f1"), scale=1.0),
-    "mlm": Task(load_mlm, "mlm", metric="loss", percent=()),
+    "mlm": Task(load_elsewhere, "mlm", metric="loss", percent=()),     # readers/mlm.py
 }
 
 def task_entry(name):
@@ -545,19 +513,15 @@ def fixed_tokenizer(name):      # the tokenizer the task's inputs define (ListOp
 def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=None, text_pair_col=None,
                    label_col=None):
     """The raw training texts (both sides of pairs) a from-scratch SentencePiece model is trained on."""
-    if name == "squad":
-        from readers import qa
-        return qa.training_texts(name, data_dir, train_file=train_file)
-    if name == "mlm":                                              # the lines load_task trains on
-        paths = _mlm_paths(data_dir, train_file)[0]
-        return [s.strip() for p in paths for s in io.StringIO(read_text(p), newline=None) if s.strip()]
+    if name in ("squad", "mlm"):
+        return elsewhere(name).training_texts(name, data_dir, train_file=train_file)
     if name not in GLUE and name != "tsv":
         raise DataError(f"task {name!r} has no text to train a tokenizer on")
     cols = GLUE[name]["cols"] if name in GLUE else (text_col, text_pair_col, label_col)
     path = train_file or (os.path.join(data_dir, "train.tsv") if name in GLUE else _find_split(data_dir, "train"))
     return [t for _, text, pair, _ in read_generic(path, cols, name == "qqp")[0] for t in (text, pair) if t]
 
-# ---- 4. Batching: deterministic length buckets, dynamic padding, BERT's masking -----------------------------
+# ---- 4. Batching: deterministic length buckets, dynamic padding --------------------------------------------
 
 def collate(examples, pad_id, multiple_of=1):
     """The batch dict: input_ids, attention_mask, token_type_ids [B, L] padded to the longest example (rounded
@@ -603,21 +567,6 @@ def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, mul
     plan = batch_plan([len(e.ids) for e in examples], batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
                       bucket_batches=bucket_batches)
     return [collate([examples[i] for i in b], pad_id, multiple_of) for b in plan]
-
-def mask_tokens(input_ids, attention_mask, *, mask_id, vocab_size, special_ids, generator=None, mlm_prob=0.15):
-    """BERT's masking: each real, non-special token is selected with probability mlm_prob; of those 80% ->
-    mask_id, 10% -> a random token, 10% unchanged. Returns (masked ids [B, L], labels [B, L]: the original id
-    where selected, -100 elsewhere). generator: on input_ids' device, or None (the global RNG)."""
-    dev, shape = input_ids.device, input_ids.shape
-    draw = lambda p: torch.bernoulli(torch.full(shape, p, device=dev), generator=generator).bool()   # [B, L]
-    special = torch.tensor(sorted(set(int(i) for i in special_ids)), dtype=input_ids.dtype, device=dev)
-    selected = draw(mlm_prob) & attention_mask.bool() & ~torch.isin(input_ids, special)             # [B, L]
-    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))
-    to_mask = draw(0.8) & selected                                                                 # 80%
-    to_random = draw(0.5) & selected & ~to_mask                   # half of the other 20%: 10% overall
-    random_ids = torch.randint(vocab_size, shape, generator=generator, dtype=input_ids.dtype, device=dev)
-    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
-    return torch.where(to_random, random_ids, masked), labels
 
 # ---- 5. Metrics (numpy, by hand): the official GLUE metrics (methods.md §4) -----------------------------------
 

@@ -1,10 +1,9 @@
-"""train.py: the one training loop (fine-tuning, training from scratch, masked-LM pretraining).
+"""train.py: the one training loop (fine-tuning a checkpoint, or training from scratch), for the CPU and the GPU.
 
 What it is: nanoGPT's train.py for encoders: AdamW, warmup then linear decay, clipping, gradient accumulation,
-bf16 autocast on CUDA (fp32 on the CPU), each task's official dev metric, atomic checkpoints, exact resume
-(bit-identical on the CPU), torchrun. One loop for the CPU and the GPU. The ideas, each a flag (and a model.Config
-field): --attention sparse|hst (ERNIE-Sparse, sparse.py), --sar / --rdrop (Self-Attention Regularization and its
-control R-Drop, sar.py), --attn-dropout attendout (AttendOut's G-Net, attendout.py), --eval-shift (methods.md §2.3).
+bf16 autocast on CUDA, each task's official dev metric, atomic checkpoints, exact resume, torchrun. The ideas,
+each a flag (and a model.Config field): --attention sparse|hst (ERNIE-Sparse, sparse.py), --sar / --rdrop
+(Self-Attention Regularization and its control R-Drop, sar.py), --attn-dropout attendout (AttendOut, attendout.py).
 
 How to run it:
   python train.py                                   # the demo: generated ListOps, HST + SAR + AttendOut
@@ -26,17 +25,15 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import attendout
 import data
 import sar
 from data import ArgumentParser, fail, one_line_errors, warn
-from model import CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict, read_checkpoint
-from model import save_atomic
+from model import CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict, read_checkpoint, \
+    save_atomic
 
-# -----------------------------------------------------------------------------
-# 1. Flags. Every default is the demo's: `python train.py --max-steps 100` is the demo, 100 steps long.
+# --- 1. Flags. Every default is the demo's: `python train.py --max-steps 100` is the demo, 100 steps long.
 #    With --init CKPT, FINETUNE's defaults apply instead and the model keeps the checkpoint's own Config.
 
 def make_parser():
@@ -100,7 +97,8 @@ CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random",
                 "attn_layerdrop")                                # the flags that are model.Config fields
 FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **{f: None for f in CONFIG_FLAGS}}
 RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
-                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup")  # fix the stream
+                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup", "init", "layers",
+                "hidden", "heads", "ffn", *CONFIG_FLAGS)  # what fixes the model, the data stream, the schedule
 POSITIVE = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn", "block_size",
             "max_positions")                             # must be >= 1; every other number must be >= 0
 ONLY_WITH = {"gnet_": "attendout", "schedule": "scheduled"}     # method flags, useless without their method
@@ -111,7 +109,7 @@ def shift_arg(s):                                        # --eval-shift: a numbe
     return s if s == "all" else int(s)
 
 def parse_args(argv):
-    args = make_parser().parse_args(argv)
+    args = make_parser().parse_args(argv)                # the demo's defaults (FINETUNE's with --init)
     quiet = make_parser()                                # the same flags without defaults: which were given
     for a in quiet._actions:
         a.default = argparse.SUPPRESS
@@ -137,8 +135,7 @@ def check_args(args):                                    # before anything is re
         if wrong:
             fail(what)
 
-# -----------------------------------------------------------------------------
-# 2. Data, tokenizer and model.
+# --- 2. Data, tokenizer and model.
 
 def columns(args):                                       # where a task's files and columns are, by flag
     return {k: getattr(args, k) for k in ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")}
@@ -146,7 +143,7 @@ def columns(args):                                       # where a task's files 
 def task_data_dir(args):                                 # --data, or for ListOps the demo's set, made once
     if args.data is not None or args.task != "listops":
         return args.data or fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
-    folder = os.path.join("data", "listops-demo")
+    folder = os.path.join("data", "listops-demo")        # 6,000 / 500 / 500 expressions, 10-60 tokens
     if is_main() and not os.path.exists(os.path.join(folder, "basic_val.tsv")):
         print(f"generating a small ListOps set in {folder}", flush=True)
         data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3, max_args=4)
@@ -162,30 +159,46 @@ def load_tokenizer(args, data_dir, stored_files):
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
     if not os.access(folder, os.W_OK):                   # read-only data: the cache goes under data/spm-cache/
         folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
-    for turn in (0, 1):                                  # rank 0 trains it first; the others then read its cache
-        if (turn == 0) == is_main():
-            os.makedirs(folder, exist_ok=True)
-            texts = data.training_texts(args.task, data_dir, **columns(args))
-            tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    if not is_main():
+        barrier()                                        # rank 0 trains it first; the others then read its cache
+    os.makedirs(folder, exist_ok=True)
+    tok = data.train_sentencepiece(data.training_texts(args.task, data_dir, **columns(args)),
+                                   os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    if is_main():
         barrier()
     return tok
 
-def read_init(args):                                     # (Config, state dict, tokenizer files) of --init
-    if not os.path.exists(args.init):
-        fail(f"--init {args.init}: neither a model folder nor a checkpoint file (nor 'scratch')")
+def read_start(args):
+    """(Config, weights, tokenizer files, the whole dict) to start from: --resume's OUT/ckpt_last.pt (its flags fill
+    in every flag not given now; RESUME_FIXED's may not change), --init's checkpoint, or None (from scratch)."""
+    path, flag = (os.path.join(args.out, "ckpt_last.pt"), "--resume") if args.resume else (args.init, "--init")
+    if path == "scratch":
+        return None
+    if not os.path.exists(path):
+        fail(f"--resume: {path} does not exist" if args.resume else
+             f"--init {path}: neither a model folder nor a checkpoint file (nor 'scratch')")
     try:
-        cfg, state, tok_files, _ = read_checkpoint(args.init)
+        cfg, state, tok_files, ckpt = read_checkpoint(path)
     except CheckpointError as e:
-        fail(f"--init: {e}")
+        fail(f"{flag}: {e}")
     if not tok_files:                                    # a pretrained model reads text through its own tokenizer
-        fail(f"--init {args.init}: no tokenizer files in it (convert it again with python model.py convert)")
-    return cfg, state, tok_files
+        fail(f"{flag} {path}: no tokenizer files in it (convert it again with python model.py convert)")
+    if args.resume and not all(k in ckpt for k in ("args", "train_state", "optimizer", "rng")):
+        fail(f"--resume: {path} is not a training checkpoint (a converted or exported model? use it with --init)")
+    for k in RESUME_FIXED if args.resume else ():
+        if k in args.given and getattr(args, k) != ckpt["args"].get(k):
+            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's {ckpt['args'].get(k)}"
+                 "; a resumed run keeps its model, data and schedule (start a new --out to change them)")
+    for k, v in ckpt["args"].items() if args.resume else ():
+        if k not in args.given and k not in ("resume", "device"):
+            setattr(args, k, v)                          # the run's own flags
+    return cfg, state, tok_files, ckpt
 
-def make_model(args, tok, task, init):                   # --init's Config and the flags given, or from scratch
+def make_model(args, tok, task, start):                  # the checkpoint's Config and the flags given, or scratch
     overrides = {f: getattr(args, f) for f in CONFIG_FLAGS if getattr(args, f) is not None}
-    overrides.update(num_labels=task.num_labels, head=task.head)
-    if init is not None:
-        return build_model(apply_overrides(init[0], overrides), init[1], args.init)
+    overrides.update(num_labels=task.num_labels, head=task.head)  # the task fixes the head
+    if start is not None:
+        return build_model(apply_overrides(start[0], overrides), start[1], args.init)
     cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                  intermediate_size=args.ffn, max_positions=args.max_len + args.sar_shift + 1, type_vocab_size=2,
                  pad_id=tok.pad_id, layer_norm_eps=1e-12, position_style="bert")   # BERT-style positions 0..L-1
@@ -201,7 +214,6 @@ def check_run(args, task, cfg, data_dir):
     useless = [f for f in args.given for k, m in ONLY_WITH.items() if f.startswith(k) and cfg.attn_dropout != m]
     useless += [f for f in args.given if f.endswith("_col") and args.task != "tsv"]     # --task tsv's columns
     for happens, line in [
-            (not task.dev, f"{data_dir}: no dev file: no evaluation and no ckpt_best.pt"),
             (task.skipped, task.skipped and data.skipped_warning(task.skipped)),
             (task.n_truncated, f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
                                + ("split into chunks" if task.num_labels == 0 else "truncated")),
@@ -213,8 +225,7 @@ def check_run(args, task, cfg, data_dir):
         if happens:
             warn(line)
 
-# -----------------------------------------------------------------------------
-# 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
+# --- 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
 
 def autocast(device):                                    # bf16 on CUDA; fp32 (no autocast) on the CPU
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -232,62 +243,39 @@ def classify_loss(model, batch, args, task, tok):
         return sar.task_loss(logits, batch["labels"], task.is_regression), {}
     return loss, {"ce": ce.item(), "consistency": cons.item()}
 
-def mlm_loss(model, batch, args, task, tok, generator=None, shift_by=0):
-    """BERT's masked LM: 15% of the real tokens, 80/10/10 mask/random/keep (data.mask_tokens, on the CPU so a
-    resumed run draws the same masks); the mean CE over them. Also the dev loss (fixed masks, maybe shifted)."""
-    ids, labels = data.mask_tokens(batch["input_ids"].cpu(), batch["attention_mask"].cpu(), mask_id=tok.mask_id,
-                                   vocab_size=tok.vocab_size, generator=generator,
-                                   special_ids=[tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id])
-    device, mask, pos = batch["input_ids"].device, batch["attention_mask"], None
-    ids, labels = ids.to(device), labels.to(device).flatten()                     # labels: -100 where not masked
-    if shift_by:
-        ids, mask, pos, _ = sar.shift(ids, mask, shift_by, model.cfg.pad_id, model.position_ids(ids))
-    logits = sar.unshift(model(ids, mask, None, pos, head="mlm"), shift_by)        # [B, L, V]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=-100, reduction="sum")
-    return ce / (labels != -100).sum().clamp(min=1), {}
-
 @torch.no_grad()
 def evaluate(raw, task, args, device, tok, shift_by=0):
     """{split: the task's metrics}: one pass, on the original topology or shifted by shift_by (sar.shift)."""
-    raw.eval()
+    raw.eval()                                           # no dropout; eval random blocks are fixed
     out = {}
     for split, examples in task.dev.items():
-        preds, labels, losses = [], [], []
-        for i, batch in enumerate(data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id,
-                                                    seed=0, epoch=0, shuffle=False)):     # each padded to its own
+        preds, labels = [], []
+        for batch in data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0,
+                                       epoch=0, shuffle=False):       # longest first, each padded to its own
             batch = {k: v.to(device) for k, v in batch.items()}
-            if task.num_labels == 0:                     # masked LM: fixed masks (batch i draws from seed i)
-                with autocast(device):
-                    losses.append(mlm_loss(raw, batch, args, task, tok, torch.Generator().manual_seed(i), shift_by)[0])
-                continue
             batch = data.flatten_pairs(batch) if task.head == "pair" else batch   # LRA Retrieval's pairs
             ids, mask, pos, types = batch["input_ids"], batch["attention_mask"], None, batch["token_type_ids"]
             if shift_by:                                 # the content keeps its positions; the blocks move
                 ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
-            with autocast(device):
+            with autocast(device):                       # bf16 on CUDA
                 logits = raw(ids, mask, types, pos).float()                       # [B, C]
             preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
             labels.append(batch["labels"])
-        loss = torch.stack(losses).mean().item() if losses else None              # the LM's loss and perplexity
-        out[split] = ({"loss": loss, "ppl": math.exp(min(loss, 50))} if losses else
-                      data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy()))
+        out[split] = data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy())
     raw.train()
     return out
 
-def objective(task_name):                                # (loss, evaluate): classify (LRA pairs too), mlm, QA
-    kind = data.TASKS[task_name].objective
-    if kind == "span":
-        from readers import qa                           # not part of the course: loaded on first use
-        return qa.loss, qa.evaluate
-    return mlm_loss if kind == "mlm" else classify_loss, evaluate
+def objective(task_name):                                # (loss, evaluate) of the task: classify (LRA pairs too) ...
+    if data.TASKS[task_name].objective in ("mlm", "span"):  # ... or masked LM / QA: readers/, loaded on first use
+        return data.elsewhere(task_name).loss, data.elsewhere(task_name).evaluate
+    return classify_loss, evaluate
 
-# -----------------------------------------------------------------------------
-# 4. The optimizer (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
+# --- 4. The optimizer (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
 
 def make_optimizer(model, args, device):
     """AdamW: matrices (decayed), biases and LayerNorms (not), the G-Nets (their own peak lr, no decay)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    gnet = lambda n: attendout.GNET in n.split(".")
+    gnet = lambda n: attendout.GNET in n.split(".")      # attendout.GNET: the G-Nets' submodules
     groups = [dict(params=[p for n, p in params if not gnet(n) and p.dim() >= 2], weight_decay=args.weight_decay),
               dict(params=[p for n, p in params if not gnet(n) and p.dim() < 2], weight_decay=0.0),
               dict(params=[p for n, p in params if gnet(n)], weight_decay=0.0, base_lr=model.cfg.gnet_lr)]
@@ -299,8 +287,7 @@ def clip_gradients(optimizer, max_norm):                 # the G-Nets' reversed 
     clip = lambda params: float(torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf))   # the norm before
     return {"grad_norm": clip(groups[0] + groups[1]), **({"gnet_grad_norm": clip(groups[2])} if groups[2:] else {})}
 
-# -----------------------------------------------------------------------------
-# 5. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C.
+# --- 5. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C.
 
 def resolve_device(name):                                # auto, cpu, cuda or cuda:N, if this machine has it
     gpus, kind, _, index = torch.cuda.device_count(), *name.partition(":")
@@ -330,7 +317,7 @@ def barrier():
 def all_true(flag, device, world):                       # True only where it is True on every process
     if world == 1:
         return bool(flag)
-    t = torch.tensor([float(bool(flag))], device=device)
+    t = torch.tensor([float(bool(flag))], device=device)  # 1.0 where True
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -342,16 +329,15 @@ def trim_log(path, step):                                # resume: a killed run 
     if os.path.exists(path):
         with open(path) as f:
             keep = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
-        with open(path + ".tmp", "w") as f:
+        with open(path, "w") as f:
             f.writelines(keep)
-        os.replace(path + ".tmp", path)
 
 def append_jsonl(path, rec):
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
 
 def save_checkpoint(r, path, rngs):                      # atomic (model.save_atomic): a temporary file, a rename
-    args = {k: v for k, v in vars(r.args).items() if k != "given"}
+    args = {k: v for k, v in vars(r.args).items() if k != "given"}  # the flags, to resume with
     save_atomic(checkpoint_dict(r.raw, data.files_to_tensors(r.tok.files), train_state=r.state, args=args,
                                 optimizer=r.optimizer.state_dict(), rng=rngs), path)
 
@@ -369,15 +355,13 @@ class StopFlag:                                          # Ctrl-C / SIGTERM: fin
             raise KeyboardInterrupt                      # a second Ctrl-C aborts
         self.signum = signum
 
-# -----------------------------------------------------------------------------
-# 6. The run, top to bottom: setup(), then train() (step, log, evaluate, save), then report().
+# --- 6. The run, top to bottom: setup(), then train() (step, log, evaluate, save), then report().
 
 def main(argv=None):
     """A user error ends in one `error:` line (exit 2); Ctrl-C or SIGTERM saves, then exits 130 / 143."""
-    with one_line_errors():
+    with one_line_errors("interrupted; the last checkpoint, if any, is --out's ckpt_last.pt"):
         args = parse_args(sys.argv[1:] if argv is None else argv)
         check_args(args)
-    with one_line_errors(f"interrupted; the last checkpoint (if any) is {os.path.join(args.out, 'ckpt_last.pt')}"):
         try:
             r = setup(args)              # data, tokenizer, model, optimizer, schedule (or a resumed run's)
             train(r)                     # the loop: returns at the last step, or when a stop was asked for
@@ -399,27 +383,24 @@ def setup(args):
     r.paths = {name: os.path.join(args.out, name) for name in Run.FILES}
     if os.path.isfile(args.out) or not (args.resume or args.overwrite) and any(map(os.path.exists, r.paths.values())):
         fail(f"--out {args.out} holds another run (or is a file); pass --resume to continue it or --overwrite")
-    resumed = read_resume(args)          # a resumed run takes back its flags, weights, tokenizer and state
-    init = read_init(args) if resumed is None and args.init != "scratch" else None
+    start = read_start(args)             # --resume's or --init's checkpoint, or None (from scratch)
     torch.manual_seed(args.seed)         # one seed, one set of initial weights for every method (paired runs)
     # --- data: the tokenizer (the checkpoint's, the task's, or trained here), then the task's examples
-    data_dir = task_data_dir(args)
-    r.tok = load_tokenizer(args, data_dir, resumed["tokenizer"] if resumed else init and init[2])
-    cfg = resumed["config"] if resumed else init and apply_overrides(init[0], {"max_positions": args.max_positions}
-                                                                     if args.max_positions else {})
-    limit = cfg.max_len if cfg else math.inf             # from scratch the model is sized to --max-len
+    data_dir = task_data_dir(args)                       # --data, or the demo's ListOps
+    r.tok = load_tokenizer(args, data_dir, start and start[2])
+    limit = apply_overrides(start[0], {"max_positions": args.max_positions or start[0].max_positions}).max_len \
+        if start else math.inf                           # from scratch the model is sized to --max-len
     if args.max_len and args.max_len > limit:
         warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions grows it)")
     args.max_len = min(args.max_len or data.TASKS[args.task].max_len, limit)
     r.task = data.load_task(args.task, data_dir, r.tok, max_len=args.max_len, **columns(args))
-    r.loss_fn, r.evaluate = objective(args.task)
-    # --- the model: the resumed checkpoint, --init (converted weights + the flags given) or from scratch
-    r.raw = build_model(cfg, resumed["model"], resumed["path"]) if resumed else make_model(args, r.tok, r.task, init)
-    init = None                                          # free the --init state dict
+    r.loss_fn, r.evaluate = objective(args.task)         # section 3
+    # --- the model: the checkpoint's (converted weights + the flags given) or from scratch
+    r.raw = make_model(args, r.tok, r.task, start)
     check_run(args, r.task, r.raw.cfg, data_dir)
     if args.threads or r.device.type == "cpu":           # a small model's operations are too small to split
         torch.set_num_threads(args.threads or (1 if r.raw.num_params() < 20e6 else len(os.sched_getaffinity(0))))
-    r.raw.to(r.device)
+    r.raw.to(r.device)                                   # the device the run trains on
     (r.raw.mlm if r.task.num_labels > 0 else r.raw.cls or r.raw.mlm).requires_grad_(r.task.num_labels == 0)
     r.model = torch.compile(r.raw) if args.compile else r.raw          # what runs the forward
     if r.world > 1:                                      # LayerDrop leaves a skipped layer without gradients
@@ -431,7 +412,7 @@ def setup(args):
     if args.batch_size // args.grad_accum < r.world or args.batch_size % (args.grad_accum * r.world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
              f"({args.grad_accum} x {r.world})")
-    r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum
+    r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum  # full steps in an epoch
     if r.per_epoch == 0:
         fail(f"{len(r.task.train)} training examples make no full step of --batch-size {args.batch_size}")
     r.total = args.max_steps or max(1, int(args.epochs * r.per_epoch))
@@ -439,12 +420,13 @@ def setup(args):
     r.optimizer = make_optimizer(r.raw, args, r.device)
     r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0, "dev": {},
                "saved_step": None}               # micro: the epoch's batches used; saved_step: in ckpt_last.pt
-    for path in r.paths.values() if is_main() and not resumed else ():
+    for path in r.paths.values() if is_main() and not args.resume else ():
         if os.path.exists(path):                         # the old run's files go only now, once all is ready
             os.remove(path)
     os.makedirs(args.out, exist_ok=True)
-    if resumed:
-        restore(r, resumed)
+    if args.resume:
+        restore(r, start[3])
+    start = None                                         # free the checkpoint's weights
     if is_main():
         print(opening_line(r), flush=True)
     return r
@@ -454,38 +436,17 @@ def opening_line(r):                                     # task and data | model
     dev = " + ".join(f"{len(v)} {k}" for k, v in t.dev.items()) or "no dev"
     origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
     method = [f"{c.attention} attention", attendout.METHODS[c.attn_dropout].format(p=c.attn_dropout_p, cfg=c)]
-    method += [f"SAR alpha {args.sar:g} shift {args.sar_shift}"] if args.sar > 0 else []
-    method += [f"R-Drop alpha {args.rdrop:g}"] if args.rdrop > 0 else []
+    method += [f"SAR alpha {args.sar:g} shift {args.sar_shift}"] if args.sar else [f"R-Drop alpha {args.rdrop:g}"] * (
+        args.rdrop > 0)
     where = f"{r.total} steps on {r.device}" + (f" x {r.world} processes" if r.world > 1 else "")
     where += f", {torch.get_num_threads()} CPU thread(s) (--threads)" if r.device.type == "cpu" else ""
     return (f"task {args.task}: {len(t.train)} train / {dev} examples | model {r.raw.num_params() / 1e6:.2f}M "
             f"parameters ({c.num_layers} layers, hidden {c.hidden_size}, {origin}) | {', '.join(method)} | {where}"
             + (f"; resuming at step {r.state['step']}" if args.resume else ""))
 
-def read_resume(args):
-    """--resume: ckpt_last.pt (config, weights, tokenizer, AdamW, state, RNGs); the run's flags fill in all not
-    given now, and those that fix the data stream or the schedule (RESUME_FIXED) may not change."""
-    path = os.path.join(args.out, "ckpt_last.pt")
-    if not args.resume:
-        return None
-    if not os.path.exists(path):
-        fail(f"--resume: {path} does not exist")
-    cfg, state, tok_files, ckpt = read_checkpoint(path)
-    if not all(k in ckpt for k in ("args", "train_state", "optimizer", "rng")):
-        fail(f"--resume: {path} is not a training checkpoint (a converted or exported model? use it with --init)")
-    for k in RESUME_FIXED:
-        if k in args.given and getattr(args, k) != ckpt["args"].get(k):
-            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's {ckpt['args'].get(k)}"
-                 "; a resumed run keeps its data and schedule (start a new --out to change them)")
-    for k, v in ckpt["args"].items():
-        if k not in args.given and k not in ("resume", "device"):
-            setattr(args, k, v)
-    return {"path": path, "config": cfg, "model": state, "tokenizer": tok_files, "ckpt": ckpt}
-
-def restore(r, resumed):                                 # AdamW, the loop state, this process's RNGs, the logs
-    ckpt = resumed["ckpt"]
-    r.optimizer.load_state_dict(ckpt["optimizer"])
-    r.state.update(ckpt["train_state"])
+def restore(r, ckpt):                                    # AdamW, the loop state, this process's RNGs, the logs
+    r.optimizer.load_state_dict(ckpt["optimizer"])       # AdamW's moments and step
+    r.state.update(ckpt["train_state"])                  # step, epoch, micro, best, ...
     if len(ckpt["rng"]) != r.world:
         warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG streams change")
     rng = ckpt["rng"][r.rank % len(ckpt["rng"])]         # the data order is a function of (seed, epoch)
@@ -500,9 +461,7 @@ def epoch_batches(r, epoch):                             # a function of (seed, 
                            seed=r.args.seed, epoch=epoch)
     return [b for b in plan if len(b) >= r.world]
 
-def train(r):
-    """Optimizer steps until r.total or a stop. After each: log, evaluate (ckpt_best.pt) and save ckpt_last.pt
-    on their schedules, so everything logged up to a step is in that step's checkpoint."""
+def train(r):      # steps until r.total or a stop; each: log, evaluate, save (a checkpoint holds all logged before)
     args, state = r.args, r.state
     gnet_log = (attendout.DropRateLogger(r.paths["droprates.jsonl"], args.log_every, append=args.resume)
                 if r.raw.cfg.attn_dropout == "attendout" and is_main() else None)
@@ -514,7 +473,7 @@ def train(r):
                 epoch, batches = state["epoch"], epoch_batches(r, state["epoch"])
             step = state["step"] + 1                     # the step being taken; the logs count from 1
             numbers, epoch_done = train_step(r, batches, step, meter)
-            state["step"] = step
+            state["step"] = step                         # the step is done
             log_step(r, step, numbers, meter)
             if gnet_log is not None:                     # AttendOut: each layer's mean drop rate (methods.md §3.1)
                 gnet_log.log(step, step / r.total, r.raw, last=step == r.total)
@@ -540,7 +499,7 @@ def train_step(r, batches, step, meter):
     for group in r.optimizer.param_groups:               # every group at factor x its own peak rate
         group["lr"] = group["base_lr"] * factor
     r.raw.set_progress((step - 1) / r.total)             # scheduled dropout follows training progress
-    loss_sum, parts = 0.0, {}
+    loss_sum, parts = 0.0, {}                            # the step's loss, its logged parts
     for i in range(args.grad_accum):                     # gradients add up over the micro-batches
         # padded to the longest example; under torchrun each process takes every world-th example
         batch = data.collate([r.task.train[j] for j in batches[state["micro"] + i]], r.tok.pad_id)
@@ -549,20 +508,20 @@ def train_step(r, batches, step, meter):
         sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages the gradients at the last micro-batch
         with (nullcontext() if sync else r.model.no_sync()), autocast(r.device):
             loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)       # the task's objective, section 3
-        (loss / args.grad_accum).backward()
+        (loss / args.grad_accum).backward()              # mean over the micro-batches
         loss_sum += loss.item() / args.grad_accum
     state["micro"] += args.grad_accum                    # the epoch ends when no full step is left in it
     epoch_done = state["micro"] + args.grad_accum > len(batches)
     if epoch_done:
         state["epoch"], state["micro"] = state["epoch"] + 1, 0
-    norms = clip_gradients(r.optimizer, args.clip)
+    norms = clip_gradients(r.optimizer, args.clip)       # the norms before clipping
     what = "loss" if not math.isfinite(loss_sum) else "gradient" if not all(map(math.isfinite, norms.values())) else ""
     if not all_true(not what, r.device, r.world):        # stop at once: nothing non-finite is ever saved
         saved = state["saved_step"]
         fail(f"non-finite {what or 'loss'} at step {step} (lr {factor * args.lr:.3g}); last good checkpoint: "
              + (f"{r.paths['ckpt_last.pt']} (step {saved})" if saved else "none written yet") + "; lower --lr", 1)
     r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets (reversed gradients)
-    r.optimizer.zero_grad(set_to_none=True)
+    r.optimizer.zero_grad(set_to_none=True)              # set_to_none: no zero tensors kept
     numbers = {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}
     if r.raw.cfg.attn_dropout == "attendout":            # the mean drop rate the budget holds (methods.md §3.1)
         numbers["drop"] = attendout.mean_drop_rate(r.raw)
@@ -585,7 +544,7 @@ def evaluate_and_keep_best(r, step):                     # dev metrics (and --ev
     args, task, state = r.args, r.task, r.state
     if not task.dev:
         return
-    metrics = r.evaluate(r.raw, task, args, r.device, r.tok)
+    metrics = r.evaluate(r.raw, task, args, r.device, r.tok)  # {split: metrics}, section 3
     shifts = sar.eval_shifts(args.eval_shift, r.raw.cfg.attention != "dense", r.raw.cfg.block_size)
     sar.add_shifted(metrics, {s: r.evaluate(r.raw, task, args, r.device, r.tok, shift_by=s) for s in shifts},
                     lower_is_better=task.metric_name == "loss")            # --eval-shift, methods.md §2.3
@@ -595,7 +554,7 @@ def evaluate_and_keep_best(r, step):                     # dev metrics (and --ev
     score = -v if task.metric_name == "loss" else v      # higher is better (the LM's loss: lower)
     if state["best"] is None or score > state["best"]:
         state["best"], state["best_step"] = score, step
-        save_checkpoint(r, r.paths["ckpt_best.pt"], [rng_state()])
+        save_checkpoint(r, r.paths["ckpt_best.pt"], [rng_state()])  # [rng_state()]: rank 0's
     print(f"step {step}: " + "; ".join(f"{split} {show_metrics(args.task, m)}" for split, m in metrics.items()))
 
 def show_value(task_name, metric, v):                    # "83.4%" for the task's percent metrics, else "0.5120"
@@ -618,7 +577,7 @@ def save_last(r, meter):                                 # every process calls i
 
 def report(r):                                           # final.json and the last line, beside the majority class
     args, task, state, name = r.args, r.task, r.state, r.task.metric_name
-    majority = None
+    majority = None                                      # the majority class's main metric
     if task.label_names and not task.is_regression and task.dev:     # always the commonest training label
         labels = np.array([e.label for e in next(iter(task.dev.values()))])
         common = np.bincount([e.label for e in task.train], minlength=task.num_labels).argmax()
@@ -628,7 +587,7 @@ def report(r):                                           # final.json and the la
              "steps": state["step"], "wall_time_s": round(state["wall"], 2), "majority_baseline": majority,
              "config": asdict(r.raw.cfg), "args": {k: v for k, v in vars(args).items() if k != "given"}}
     with open(r.paths["final.json"], "w") as f:
-        json.dump(final, f, indent=1)
+        json.dump(final, f, indent=1)                    # the run's record (README figures)
     show, line = lambda v: show_value(args.task, name, v), f"done in {state['wall']:.0f}s, {state['step']} steps"
     if state["dev"]:
         split = next(iter(state["dev"]))

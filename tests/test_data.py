@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
 from data import DataError, Example  # noqa: E402
+from readers import mlm  # noqa: E402
 
 STRINGS = ["the cat sat on the mat.", "The Cat is eating, quickly!", "  two  spaces ", "héllo wörld ünïcode",
            "running runner ran", "xyz qqq 123"]
@@ -510,7 +511,7 @@ def test_mask_tokens_rates():
     mask = torch.ones_like(ids)
     mask[:, 200:] = 0
     ids[:, 200:] = 1  # padding
-    masked, labels = data.mask_tokens(ids, mask, mask_id=4, vocab_size=1000, special_ids=[0, 1, 2, 3, 4],
+    masked, labels = mlm.mask_tokens(ids, mask, mask_id=4, vocab_size=1000, special_ids=[0, 1, 2, 3, 4],
                                       generator=g)
     sel = labels != -100
     candidates = (mask.bool() & (ids > 4)).sum().item()

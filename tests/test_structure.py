@@ -115,7 +115,7 @@ for m in sys.argv[1:]:
 
 
 def test_each_module_imports_first_in_a_fresh_interpreter():
-    p = subprocess.run([sys.executable, "-c", FORK_EACH, *CORE, "readers.lra", "readers.qa"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-c", FORK_EACH, *CORE, "readers.lra", "readers.qa", "readers.mlm"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode == 0 and not p.stdout.strip(), p.stdout + p.stderr[-2000:]
 
