@@ -1,4 +1,4 @@
-"""CUDA-only checks (skipped without a GPU; run by scripts/gpu_check.sh on a lent one): FlexAttention's
+"""CUDA-only checks (skipped without a GPU; run by research/gpu_check.sh on a lent one): FlexAttention's
 gradients against the gather kernel's, and bf16 training steps through both sparse paths.
 Run: python -m pytest tests/test_cuda.py -q
 """
@@ -34,14 +34,19 @@ def test_flex_gradients_equal_gather_kernel(hst):
 
 
 @pytest.mark.parametrize("attention", ["sparse", "hst"])
-def test_bf16_train_step_flex_and_gather(attention):
-    """A bf16 autocast step on CUDA (as train.py runs it) through FlexAttention and through the gather kernel:
-    finite, and the same loss within bf16 tolerance (both draw the same random blocks)."""
+def test_bf16_train_step_flex_and_gather(attention, monkeypatch):
+    """A bf16 autocast step on CUDA (as train.py runs it) through FlexAttention and through the gather kernel
+    (the kernels model.py calls, given flex=False): finite, and the same loss within bf16
+    tolerance (both draw the same random blocks)."""
+    import model as model_py
     from tests.test_precision import tiny_batch, tiny_model
     losses = []
     for flex in (True, False):
+        if not flex:                                  # the kernels take Flex only with flex=True: force False
+            for name in ("block_sparse_attention", "hst_attention"):
+                real = getattr(model_py, name)
+                monkeypatch.setattr(model_py, name, lambda *a, _real=real, **kw: _real(*a, **{**kw, "flex": False}))
         model = tiny_model(attention, "none", "cls").cuda()
-        model.cfg.flex_attention = flex
         for mod in model.modules():
             if isinstance(mod, torch.nn.Dropout):
                 mod.p = 0.0
