@@ -213,8 +213,7 @@ def check_run(args, task, cfg, data_dir):
         fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b})")
     useless = [f for f in args.given for k, m in ONLY_WITH.items() if f.startswith(k) and cfg.attn_dropout != m]
     useless += [f for f in args.given if f.endswith("_col") and args.task != "tsv"]     # --task tsv's columns
-    for happens, line in [
-            (task.skipped, task.skipped and data.skipped_warning(task.skipped)),
+    for happens, line in [(task.skipped, task.skipped and data.skipped_warning(task.skipped)),
             (task.n_truncated, f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
                                + ("split into chunks" if task.num_labels == 0 else "truncated")),
             (args.sar > 0 and not sparse, "--sar with dense attention has no effect: no block boundary moves"),
@@ -523,7 +522,8 @@ def train_step(r, batches, step, meter):
     r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets (reversed gradients)
     r.optimizer.zero_grad(set_to_none=True)              # set_to_none: no zero tensors kept
     numbers = {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}
-    if r.raw.cfg.attn_dropout == "attendout":            # the mean drop rate the budget holds (methods.md §3.1)
+    if r.raw.cfg.attn_dropout == "attendout":            # AttendOut's budget (methods.md §3.1): the layers'
+        attendout.hold_budget(r.raw)                     # targets from this step's logits, their mean at rho
         numbers["drop"] = attendout.mean_drop_rate(r.raw)
     return numbers, epoch_done
 

@@ -3,7 +3,7 @@ research/bench_attendout.py: how much an AttendOut train step costs against a st
 
 MiniLM-sized dense encoder (6 layers, d 384, 12 heads, FFN 1536), a batch of 16 x 128 tokens, no padding.
 One "step" is what train.py does per batch minus the optimizer: zero grads, forward, loss mean(h^2),
-backward (and, for code that has it, the old after-step budget hold_budget(model)). The models share
+backward, and under AttendOut attendout.hold_budget(model) (train.py's after-step budget). The models share
 their backbone weights and run in turn, one step each per round (a, b, a, b, ...), in one process, so a
 busy machine slows them alike; each round gives a ratio AttendOut / standard, and the figure is the median
 of those ratios (the bar: <= 1.15). Several --root folders (e.g. the code before a change and after it) are
@@ -71,7 +71,7 @@ def main():
                 net.zero_grad(set_to_none=True)
                 net.encode(ids, mask).pow(2).mean().backward()
                 if budget is not None:
-                    budget(net)                           # the old code's after-step budget (train.py ran it)
+                    budget(net)                           # the budget's after-step part (train.py runs it)
             runs[root, method] = step
     ids = torch.randint(3, 30522, (args.batch, args.len), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
