@@ -25,9 +25,18 @@ How to run it (from the repository root):
     python research/bench.py --only dense,hst --rounds 15 --threads 2 --json bench.json
     python research/bench.py --device cuda         # bf16 autocast, tokens/s and MFU vs --peak-tflops (989: H200)
     python research/bench.py --only hst --profile  # also print torch.profiler's top ops of our side
+    python research/bench.py --only attendout,hst --base /tmp/base   # before / after: another checkout's
+                                                   # model.py, sparse.py, attendout.py, sar.py side by side
+    python research/bench.py --only bigbird --threads 1 --clock cpu  # this process's CPU time: less moved by
+                                                   # other jobs on a busy machine (CPU only)
+With --base DIR, sections 1-6 build every model of ours twice, from this checkout and from DIR's modules
+(imported afresh, side by side in this process), time them alternately with the rest, and add the figures
+"X / X (base)" (after / before; section 3: peak memory at the longest n, each point in its own process).
 No figure is ever asserted on: timings are noisy, the table is for people (research/tests/test_bench.py is a smoke).
 """
 import argparse
+import dataclasses
+import importlib
 import importlib.metadata
 import json
 import os
@@ -37,16 +46,60 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the six files' folder
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the six files' folder
+sys.path.insert(0, ROOT)
+import attendout  # noqa: E402
+import model  # noqa: E402
 import sar  # noqa: E402
 from data import ArgumentParser, fail, one_line_errors  # noqa: E402
-from model import Config, Model, build_model, convert_hf_state, load_pretrained  # noqa: E402
 
 SECTIONS = ("dense", "bigbird", "scaling", "hst", "attendout", "sar", "throughput")
 MEMORY_LIMIT = 12 * 2**30      # skip a scaling point whose estimated peak exceeds this (bytes)
+CLOCKS = dict(wall=time.perf_counter, cpu=time.process_time)   # --clock: wall time, or this process's CPU time
+THIS = SimpleNamespace(model=model, attendout=attendout, sar=sar, root=None, tag="")   # our modules (--base: + one)
+
+
+# -----------------------------------------------------------------------------
+# --base DIR: another checkout's modules, side by side with ours in this process
+
+def top_level_modules(folder):
+    """Names in sys.modules of the modules whose file lies directly in folder (model, sparse, data, ...)."""
+    return [k for k, m in list(sys.modules.items())
+            if os.path.dirname(os.path.abspath(getattr(m, "__file__", None) or "/")) == folder]
+
+
+def load_checkout(root):
+    """DIR's model, attendout and sar (and what they import from DIR), imported afresh; then taken out of
+    sys.modules again, so that ours stay what `import model` gives. Returns a namespace like THIS."""
+    root = os.path.abspath(root)
+    if not os.path.isfile(os.path.join(root, "model.py")):
+        fail(f"--base {root}: no model.py there (give a checkout's root folder, e.g. /tmp/base)")
+    ours = {k: sys.modules.pop(k) for k in top_level_modules(ROOT)}
+    sys.path.insert(0, root)
+    try:
+        mods = {k: importlib.import_module(k) for k in ("model", "attendout", "sar")}
+    finally:
+        sys.path.remove(root)
+        for k in top_level_modules(root):
+            del sys.modules[k]
+        sys.modules.update(ours)
+    return SimpleNamespace(**mods, root=root, tag=" (base)")
+
+
+def make_config(lib, **kw):
+    """lib's Config; a base checkout's drops the fields it does not have (e.g. fields added since)."""
+    names = {f.name for f in dataclasses.fields(lib.model.Config)}
+    return lib.model.Config(**{k: v for k, v in kw.items() if lib is THIS or k in names})
+
+
+def base_figures(t, names):
+    """With --base: each named side of ours against the same side built from the base checkout."""
+    return [figure(f"{k} / {k} (base)", t[k], t[k + " (base)"], expect="after / before; < 1: faster")
+            for k in names if k + " (base)" in t]
 
 
 # -----------------------------------------------------------------------------
@@ -64,20 +117,20 @@ def sizes(quick):
                 sar_n=256, sar_batch=1, throughput_ns=[512, 1024])
 
 
-def minilm_config(**kw):
+def minilm_config(lib=THIS, **kw):
     """MiniLM-sized RoBERTa (6 x 384, 12 heads, FFN 1536, vocab 30522)."""
     base = dict(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536,
                 max_positions=514, type_vocab_size=1, pad_id=1, layer_norm_eps=1e-5)
-    return Config(**{**base, **kw})
+    return make_config(lib, **{**base, **kw})
 
 
-def long_config(attention, n, **kw):
+def long_config(attention, n, lib=THIS, **kw):
     """The long-sequence model of sections 2-4, 6: 2 x 256, 4 heads, FFN 1024, BigBird's topology
     (block 64, one window block each side, 2 global blocks = 128 tokens, 3 random blocks)."""
     base = dict(vocab_size=30522, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024,
                 max_positions=n + 2, type_vocab_size=1, pad_id=1, attention=attention, block_size=64,
                 window=1, num_global=128, num_random=3)
-    return Config(**{**base, **kw})
+    return make_config(lib, **{**base, **kw})
 
 
 # -----------------------------------------------------------------------------
@@ -93,19 +146,21 @@ def autocast(device):
     return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda")
 
 
-def train_step(model, batch, loss_fn, device="cpu"):
-    """One training step without optimizer: fresh grads, forward, loss, backward (AttendOut's budget is held
-    inside its forward, so nothing runs after the step)."""
-    model.zero_grad(set_to_none=True)
+def train_step(net, batch, loss_fn, device="cpu", lib=THIS):
+    """One training step without optimizer: fresh grads, forward, loss, backward, and under AttendOut the
+    budget train.py holds after each step (lib.attendout.hold_budget: ours, or the base checkout's)."""
+    net.zero_grad(set_to_none=True)
     with autocast(device):
-        loss = loss_fn(model, batch)
+        loss = loss_fn(net, batch)
     loss.backward()
+    if getattr(getattr(net, "cfg", None), "attn_dropout", None) == "attendout":    # HF models have no such field
+        lib.attendout.hold_budget(net)
     return loss
 
 
-def time_alternately(fns, rounds, warmup=1, device="cpu"):
+def time_alternately(fns, rounds, warmup=1, device="cpu", clock="wall"):
     """fns: {name: zero-argument callable}. Runs each `warmup` times, then `rounds` rounds of one call of
-    each in turn (a, b, a, b, ...). Returns {name: [seconds per call]}."""
+    each in turn (a, b, a, b, ...). Returns {name: [seconds per call]} of CLOCKS[clock]."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -113,10 +168,10 @@ def time_alternately(fns, rounds, warmup=1, device="cpu"):
     for _ in range(rounds):
         for name, fn in fns.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0 = CLOCKS[clock]()
             fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCKS[clock]() - t0)
     return times
 
 
@@ -214,21 +269,16 @@ def hf_hidden_loss(model, batch):
     return h.float().pow(2).mean()
 
 
-def ce_loss(model, batch):
-    return sar.task_loss(model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]),
-                         batch["labels"])
+def sar_losses(lib=THIS):
+    """Section 6's losses from lib's sar.py: plain cross-entropy, SAR (shift 1, alpha 1), R-Drop (alpha 1)."""
+    def ce(net, b):
+        return lib.sar.task_loss(net(b["input_ids"], b["attention_mask"], b["token_type_ids"]), b["labels"])
+    return {"plain CE": ce, "SAR (shift 1)": lambda net, b: lib.sar.sar_loss(net, b, 1.0, 1)[0],
+            "R-Drop": lambda net, b: lib.sar.rdrop_loss(net, b, 1.0)[0]}
 
 
-def sar_step_loss(model, batch):
-    return sar.sar_loss(model, batch, 1.0, 1)[0]
-
-
-def rdrop_step_loss(model, batch):
-    return sar.rdrop_loss(model, batch, 1.0)[0]
-
-
-def step_fn(model, batch, loss_fn, device):
-    return lambda: train_step(model, batch, loss_fn, device)
+def step_fn(net, batch, loss_fn, device, lib=THIS):
+    return lambda: train_step(net, batch, loss_fn, device, lib)
 
 
 def seed_all(seed=0):
@@ -256,13 +306,13 @@ def profile_step(fn, label, top=15):
 # -----------------------------------------------------------------------------
 # Section 1: dense encoder vs transformers.RobertaModel, the same weights
 
-def print_race(title, t, fig, ours, B, n, args, ours_fn):
-    """The table of a race against a reference: ms/step, tokens/s and MFU (CUDA) per side, then the ratio."""
+def print_race(title, t, figs, ours, B, n, args, ours_fn):
+    """The table of a race against a reference: ms/step, tokens/s and MFU (CUDA) per side, then the ratios."""
     flops = train_flops(ours.cfg, layer_params(ours), B, n)
     rows = [[k, ms(v), *rate_cells(flops, B * n, med(v), args)] for k, v in t.items()]
     print(title + "\n")
     print(table(["model", "ms/step (median)", "tokens/s", "MFU" if args.device == "cuda" else "achieved"], rows))
-    print("\n" + fig["line"] + "\n")
+    print("\n" + "\n".join(f["line"] for f in figs) + "\n")
     if args.profile:
         profile_step(ours_fn, "ours: " + title)
 
@@ -286,26 +336,29 @@ def bench_dense(S, args):
     with tempfile.TemporaryDirectory() as tmp:                    # ours from theirs: the real checkpoint path
         disable_progress_bar()
         theirs["eager"].save_pretrained(tmp)
-        ours = load_pretrained(tmp, attention="dense", attn_dropout="standard", attn_dropout_p=0.1,
-                               hidden_dropout_p=0.1)
+        mine = {"ours" + lib.tag: lib.model.load_pretrained(tmp, attention="dense", attn_dropout="standard",
+                                                             attn_dropout_p=0.1, hidden_dropout_p=0.1)
+                for lib in args.libs}
+    ours = mine["ours"]
     batch = random_batch(B, n, 30522, dev)
-    models = {"ours": ours, **{f"hf {k}": m for k, m in theirs.items()}}
+    models = {**mine, **{f"hf {k}": m for k, m in theirs.items()}}
     for m in models.values():
         m.to(dev).eval()
     with torch.no_grad():                                         # same weights => same outputs in eval
         h0 = ours.encode(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
         diff = max((h0 - m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                    .last_hidden_state).abs().max().item() for k, m in models.items() if k != "ours")
+                    .last_hidden_state).abs().max().item() for k, m in models.items() if k.startswith("hf"))
     for m in models.values():
         m.train()
-    fns = {"ours": step_fn(ours, batch, ours_hidden_loss, dev)}
-    fns.update({k: step_fn(m, batch, hf_hidden_loss, dev) for k, m in models.items() if k != "ours"})
-    t = time_alternately(fns, args.rounds, args.warmup, dev)
+    fns = {k: step_fn(m, batch, ours_hidden_loss, dev, lib) for lib, (k, m) in zip(args.libs, mine.items())}
+    fns.update({k: step_fn(m, batch, hf_hidden_loss, dev) for k, m in models.items() if k.startswith("hf")})
+    t = time_alternately(fns, args.rounds, args.warmup, dev, args.clock)
     ref = min(("hf eager", "hf sdpa"), key=lambda k: med(t[k]))
-    fig = figure(f"dense train step ours / {ref}", t["ours"], t[ref], need=1.0, target=0.85)
+    figs = [figure(f"dense train step ours / {ref}", t["ours"], t[ref], need=1.0, target=0.85),
+            *base_figures(t, ["ours"])]
     print_race(f"## 1. Dense train step vs RobertaModel (MiniLM {S['minilm_layers']}x384, {B} x {n}, dropout 0.1, "
-               f"same weights; eval max |diff| {diff:.1e})", t, fig, ours, B, n, args, fns["ours"])
-    return dict(times=t, reference=ref, max_abs_diff_eval=diff, figures=[fig])
+               f"same weights; eval max |diff| {diff:.1e})", t, figs, ours, B, n, args, fns["ours"])
+    return dict(times=t, reference=ref, max_abs_diff_eval=diff, figures=figs)
 
 
 # -----------------------------------------------------------------------------
@@ -323,21 +376,24 @@ def bench_bigbird(S, args):
     theirs = BigBirdModel(hf_cfg, add_pooling_layer=False)
     # ours: same sizes and weights; BigBird is BERT-style (positions 0..n-1, two token types, eps 1e-12).
     # Its globals are the first and last block; ours are the first 2 blocks (same count, g = 2b).
-    cfg = long_config("sparse", n, max_positions=n, type_vocab_size=2, pad_id=0, layer_norm_eps=1e-12,
-                      position_style="bert", block_size=b, num_global=bb["num_global"], attn_dropout="none",
-                      hidden_dropout_p=0.1, family="bert")      # BigBird's weights carry BERT's names
-    ours = build_model(cfg, convert_hf_state(theirs.state_dict(), cfg, "bigbird"), "bigbird")
-    ours.to(dev).train()
-    theirs.to(dev).train()
     batch = random_batch(B, n, 30522, dev, seed=1)
-    fns = {"ours sparse": step_fn(ours, batch, ours_hidden_loss, dev),
-           "hf bigbird": step_fn(theirs, batch, hf_hidden_loss, dev)}
-    t = time_alternately(fns, args.rounds, args.warmup, dev)
-    fig = figure("sparse train step ours / BigBird", t["ours sparse"], t["hf bigbird"], need=0.7)
+    fns = {}
+    for lib in args.libs:                                         # ours (and with --base, the base's)
+        cfg = long_config("sparse", n, lib, max_positions=n, type_vocab_size=2, pad_id=0, layer_norm_eps=1e-12,
+                          position_style="bert", block_size=b, num_global=bb["num_global"], attn_dropout="none",
+                          hidden_dropout_p=0.1, family="bert")      # BigBird's weights carry BERT's names
+        net = lib.model.build_model(cfg, lib.model.convert_hf_state(theirs.state_dict(), cfg, "bigbird"), "bigbird")
+        ours = ours if lib.tag else net                              # the FLOPs and the profile: this checkout's
+        fns["ours sparse" + lib.tag] = step_fn(net.to(dev).train(), batch, ours_hidden_loss, dev, lib)
+    theirs.to(dev).train()
+    fns["hf bigbird"] = step_fn(theirs, batch, hf_hidden_loss, dev)
+    t = time_alternately(fns, args.rounds, args.warmup, dev, args.clock)
+    figs = [figure("sparse train step ours / BigBird", t["ours sparse"], t["hf bigbird"], need=0.7),
+            *base_figures(t, ["ours sparse"])]
     print_race(f"## 2. Block-sparse train step vs BigBird (2x256, 4 heads, n {n}, batch {B}, block {b}, "
-               f"3 random, {bb['num_global']} global, no attention dropout)", t, fig, ours, B, n, args,
+               f"3 random, {bb['num_global']} global, no attention dropout)", t, figs, ours, B, n, args,
                fns["ours sparse"])
-    return dict(times=t, figures=[fig])
+    return dict(times=t, figures=figs)
 
 
 # -----------------------------------------------------------------------------
@@ -369,13 +425,15 @@ def peak_tensor_bytes(fn):
 def long_step(spec, n):
     """(Config, model, train-step function) of a scaling point: long_config of spec["kind"] at length n,
     no attention dropout, hidden dropout 0.1, a random batch of spec["batch"]. "sparse-dropout": standard
-    attention dropout 0.1, so the sparse kernel runs its gather path (FlexAttention has nothing to drop with)."""
+    attention dropout 0.1, so the sparse kernel runs its gather path (FlexAttention has nothing to drop with).
+    spec["root"]: build it from that checkout's modules (--base), else from ours."""
     seed_all()
+    lib = load_checkout(spec["root"]) if spec.get("root") else THIS
     attention, _, dropout = spec["kind"].partition("-")
-    cfg = long_config(attention, n, attn_dropout="standard" if dropout else "none", hidden_dropout_p=0.1)
-    model = Model(cfg).to(spec["device"]).train()
+    cfg = long_config(attention, n, lib, attn_dropout="standard" if dropout else "none", hidden_dropout_p=0.1)
+    net = lib.model.Model(cfg).to(spec["device"]).train()
     batch = random_batch(spec["batch"], n, cfg.vocab_size, spec["device"])
-    return cfg, model, step_fn(model, batch, ours_hidden_loss, spec["device"])
+    return cfg, net, step_fn(net, batch, ours_hidden_loss, spec["device"], lib)
 
 
 def child_measure(spec):
@@ -389,7 +447,7 @@ def child_measure(spec):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     steps = spec["steps"] if spec["n"] <= 8192 else 1          # 16k: one warm-up, one timed (long on CPU)
-    t = time_alternately({"step": fn}, steps, 1, dev)["step"]
+    t = time_alternately({"step": fn}, steps, 1, dev, spec["clock"])["step"]
     peak = torch.cuda.max_memory_allocated() - base if dev == "cuda" else peak_tensor_bytes(fn)
     flops = train_flops(cfg, layer_params(model), spec["batch"], spec["n"])
     return dict(spec, times=t, peak_bytes=peak, flops=flops)
@@ -399,7 +457,7 @@ def child_alternate(spec):
     """In the child: one model per length in spec["ns"] (same kind), train steps timed alternately
     (2k, 8k, 2k, 8k, ...), so that both lengths see the same machine. Returns {"times": {n: [s]}}."""
     fns = {str(n): long_step(spec, n)[2] for n in spec["ns"]}
-    return dict(spec, times=time_alternately(fns, spec["steps"], 1, spec["device"]))
+    return dict(spec, times=time_alternately(fns, spec["steps"], 1, spec["device"], spec["clock"]))
 
 
 def run_child(spec):
@@ -411,22 +469,25 @@ def run_child(spec):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def peak_memory_child(kind, n, args, batch=1, steps=2):
+def peak_memory_child(kind, n, args, batch=1, steps=2, lib=THIS):
     """One scaling point (time and peak memory) in a fresh process; returns its dict."""
-    return run_child(dict(kind=kind, n=n, batch=batch, steps=steps, device=args.device, threads=args.threads))
+    return run_child(dict(kind=kind, n=n, batch=batch, steps=steps, device=args.device, threads=args.threads,
+                          clock=args.clock, root=lib.root))
 
 
 def scaling_points(kinds, ns, args, steps):
-    """{kind: {n: result}}; points whose estimated peak exceeds MEMORY_LIMIT are skipped (CPU)."""
+    """{kind: {n: result}} (with --base also "kind (base)"); points whose estimated peak exceeds MEMORY_LIMIT
+    are skipped (CPU)."""
     res = {}
     for kind in kinds:
-        for n in ns:
-            est = estimate_bytes(kind, n)
-            if args.device == "cpu" and est > MEMORY_LIMIT:
-                res.setdefault(kind, {})[n] = dict(kind=kind, n=n, skipped="memory", estimate_bytes=est)
-                continue
-            res.setdefault(kind, {})[n] = peak_memory_child(kind, n, args, steps=steps)
-            print(f"  measured {kind} n={n}", file=sys.stderr, flush=True)
+        for lib in args.libs:
+            for n in ns:
+                est, at = estimate_bytes(kind, n), res.setdefault(kind + lib.tag, {})
+                if args.device == "cpu" and est > MEMORY_LIMIT:
+                    at[n] = dict(kind=kind, n=n, skipped="memory", estimate_bytes=est)
+                    continue
+                at[n] = peak_memory_child(kind, n, args, steps=steps, lib=lib)
+                print(f"  measured {kind}{lib.tag} n={n}", file=sys.stderr, flush=True)
     return res
 
 
@@ -453,20 +514,24 @@ def bench_scaling(S, args):
                  "MFU" if args.device == "cuda" else "achieved"], scaling_rows(res, args)))
     figs = []
     top = ns[-1]                 # memory at the longest n: the sparse kernel against dense fused attention
-    pts = [res[k].get(top, {}) for k in ("sparse", "dense")]
-    if all("peak_bytes" in p for p in pts):
-        ratio = pts[0]["peak_bytes"] / pts[1]["peak_bytes"]
-        name = f"sparse / dense peak of live tensors at n={top}"
-        # both O(n): fused SDPA keeps no scores, the gather kernel keeps n x ctx of them (ctx = 448 keys here)
-        expect = "both O(n); sparse keeps its n x ctx scores for the backward"
-        figs.append(dict(name=name, ratio=ratio, need=None, status="info",
-                         line=f"{name}: ratio {ratio:.4f} ({expect}): info"))
-        print(f"\n{figs[-1]['line']} ({pts[0]['peak_bytes'] / 2**20:,.1f} vs {pts[1]['peak_bytes'] / 2**20:,.1f} MiB)")
+    # both O(n): fused SDPA keeps no scores, the gather kernel keeps n x ctx of them (ctx = 448 keys here);
+    # with --base, each kind's memory after / before the change
+    pairs = [("sparse", "dense", "both O(n); sparse keeps its n x ctx scores for the backward")]
+    pairs += [(k, k + " (base)", "after / before; < 1: less memory") for k in ("dense", "sparse", "hst")
+              if k + " (base)" in res]
+    for a, b, expect in pairs:
+        pts = [res[k].get(top, {}) for k in (a, b)]
+        if all("peak_bytes" in p for p in pts):
+            ratio, name = pts[0]["peak_bytes"] / pts[1]["peak_bytes"], f"{a} / {b} peak of live tensors at n={top}"
+            figs.append(dict(name=name, ratio=ratio, need=None, status="info",
+                             line=f"{name}: ratio {ratio:.4f} ({expect}): info"))
+            mib = [p["peak_bytes"] / 2**20 for p in pts]
+            print(f"\n{figs[-1]['line']} ({mib[0]:,.1f} vs {mib[1]:,.1f} MiB)")
     # The linearity figure: the two lengths timed alternately in one fresh process (args.rounds each), as
     # every other CPU figure here; the table's per-process medians above are for reading, not for the ratio.
     lo, hi = (2048, 8192) if 8192 in ns else (ns[0], ns[-1])
     alt = run_child(dict(kind="sparse", ns=[lo, hi], batch=1, steps=args.rounds, device=args.device,
-                         threads=args.threads))
+                         threads=args.threads, clock=args.clock, root=None))
     if "error" in alt:
         print(f"\nsparse time({hi}) / time({lo}): error: {alt['error']}\n")
     else:
@@ -514,22 +579,24 @@ def plot_scaling(res, path, device):
 
 def bench_hst(S, args):
     n, dev = S["hst_n"], args.device
-    models = {}
-    for kind in ("hst", "sparse"):
-        seed_all()
-        models[kind] = Model(long_config(kind, n)).to(dev).train()    # standard attention dropout 0.1
-    models["hst"].load_state_dict(models["sparse"].state_dict(), strict=False)   # + rep_embedding
     batch = random_batch(1, n, 30522, dev, seed=2)
-    fns = {k: step_fn(m, batch, ours_hidden_loss, dev) for k, m in models.items()}
-    t = time_alternately(fns, args.rounds, args.warmup, dev)
-    fig = figure("HST / sparse train step", t["hst"], t["sparse"], need=1.1)
+    fns = {}
+    for lib in args.libs:
+        models = {}
+        for kind in ("hst", "sparse"):
+            seed_all()
+            models[kind] = lib.model.Model(long_config(kind, n, lib)).to(dev).train()   # attention dropout 0.1
+        models["hst"].load_state_dict(models["sparse"].state_dict(), strict=False)   # + rep_embedding
+        fns.update({k + lib.tag: step_fn(m, batch, ours_hidden_loss, dev, lib) for k, m in models.items()})
+    t = time_alternately(fns, args.rounds, args.warmup, dev, args.clock)
+    figs = [figure("HST / sparse train step", t["hst"], t["sparse"], need=1.1), *base_figures(t, ["hst", "sparse"])]
     print(f"## 4. HST vs block-sparse train step (2x256, 4 heads, n {n}, batch 1, block 64, w 1, g 128, r 3, "
           f"attention dropout 0.1)\n")
     print(table(["attention", "ms/step (median)"], [[k, ms(v)] for k, v in t.items()]))
-    print("\n" + fig["line"] + "\n")
+    print("\n" + "\n".join(f["line"] for f in figs) + "\n")
     if args.profile:
         profile_step(fns["hst"], "HST train step")
-    return dict(times=t, figures=[fig])
+    return dict(times=t, figures=figs)
 
 
 # -----------------------------------------------------------------------------
@@ -538,16 +605,17 @@ def bench_hst(S, args):
 def bench_attendout(S, args):
     B, n = S["minilm_batch"]
     dev = args.device
-    models = {}
-    for method in ("attendout", "standard"):
-        seed_all()
-        models[method] = Model(minilm_config(attn_dropout=method, num_layers=S["minilm_layers"])).to(dev)
-    models["attendout"].load_state_dict(models["standard"].state_dict(), strict=False)  # + the G-Nets
     batch = random_batch(B, n, 30522, dev, seed=3)
-    for m in models.values():
-        m.train()
-    train = {k: step_fn(m, batch, ours_hidden_loss, dev) for k, m in models.items()}
-    t_train = time_alternately(train, args.rounds, args.warmup, dev)
+    models, train = {}, {}
+    for lib in args.libs:                                # ours, and with --base the base's, same backbone weights
+        for method in ("attendout", "standard"):
+            seed_all()
+            cfg = minilm_config(lib, attn_dropout=method, num_layers=S["minilm_layers"])
+            models[method + lib.tag] = lib.model.Model(cfg).to(dev).train()
+            train[method + lib.tag] = step_fn(models[method + lib.tag], batch, ours_hidden_loss, dev, lib)
+        models["attendout" + lib.tag].load_state_dict(models["standard" + lib.tag].state_dict(),
+                                                      strict=False)   # + the G-Nets
+    t_train = time_alternately(train, args.rounds, args.warmup, dev, args.clock)
 
     def infer(m):
         def run():
@@ -557,9 +625,13 @@ def bench_attendout(S, args):
     for m in models.values():
         m.eval()
     # a forward is ~5x shorter than a train step and as noisy in absolute terms: 4x the rounds
-    t_inf = time_alternately({k: infer(m) for k, m in models.items()}, 4 * args.rounds, args.warmup, dev)
+    t_inf = time_alternately({k: infer(m) for k, m in models.items()}, 4 * args.rounds, args.warmup, dev,
+                             args.clock)
     figs = [figure("AttendOut / standard train step", t_train["attendout"], t_train["standard"], need=1.15),
             figure("AttendOut / standard inference", t_inf["attendout"], t_inf["standard"], need=1.1)]
+    if args.base:                                        # the same figures of the base checkout, and after / before
+        figs += [figure("AttendOut / standard train step (base)", t_train["attendout (base)"],
+                        t_train["standard (base)"], need=1.15), *base_figures(t_train, ["attendout", "standard"])]
     print(f"## 5. AttendOut vs standard attention dropout (MiniLM {S['minilm_layers']}x384, dense, {B} x {n})\n")
     print(table(["dropout", "train ms/step", "inference ms/forward"],
                 [[k, ms(t_train[k]), ms(t_inf[k])] for k in models]))
@@ -575,15 +647,16 @@ def bench_attendout(S, args):
 
 def bench_sar(S, args):
     n, B, dev = S["sar_n"], S["sar_batch"], args.device
-    seed_all()
-    model = Model(long_config("sparse", n + 64, num_labels=2)).to(dev).train()   # + 64: room for the shift
     batch = random_batch(B, n, 30522, dev, num_labels=2, seed=4)
-    fns = {"plain CE": step_fn(model, batch, ce_loss, dev),
-           "SAR (shift 1)": step_fn(model, batch, sar_step_loss, dev),
-           "R-Drop": step_fn(model, batch, rdrop_step_loss, dev)}
-    t = time_alternately(fns, args.rounds, args.warmup, dev)
+    fns = {}
+    for lib in args.libs:
+        seed_all()
+        net = lib.model.Model(long_config("sparse", n + 64, lib, num_labels=2)).to(dev).train()   # + 64: the shift
+        fns.update({k + lib.tag: step_fn(net, batch, loss, dev, lib) for k, loss in sar_losses(lib).items()})
+    t = time_alternately(fns, args.rounds, args.warmup, dev, args.clock)
     figs = [figure("SAR / plain step", t["SAR (shift 1)"], t["plain CE"], expect="expect ~2: two views"),
-            figure("R-Drop / plain step", t["R-Drop"], t["plain CE"], expect="expect ~2: two passes")]
+            figure("R-Drop / plain step", t["R-Drop"], t["plain CE"], expect="expect ~2: two passes"),
+            *base_figures(t, ["plain CE", "SAR (shift 1)", "R-Drop"])]
     print(f"## 6. SAR and R-Drop step cost (sparse 2x256, n {n}, batch {B}, block 64, w 1, g 128, r 3)\n")
     print(table(["loss", "ms/step (median)"], [[k, ms(v)] for k, v in t.items()]))
     print("\n" + "\n".join(f["line"] for f in figs) + "\n")
@@ -647,6 +720,11 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="print torch.profiler top ops of our side")
     p.add_argument("--json", default="bench.json", help="where to write the results")
     p.add_argument("--plot", default="", help="also draw the scaling section to this PNG (e.g. docs/scaling.png)")
+    p.add_argument("--base", default="", help="another checkout's root (e.g. /tmp/base): its models side by side "
+                   "with ours in sections 1-6, with after / before ratios")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="wall time, or cpu: this process's CPU time (CPU only; with --threads 1 less moved by "
+                   "other jobs)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)   # internal: one scaling point
     args = p.parse_args(argv)
     check_args(args)
@@ -660,16 +738,18 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else 1
+    args.libs = [THIS] + ([load_checkout(args.base)] if args.base else [])   # whose models each section builds
     S = sizes(args.quick)
     meta = dict(device=args.device, torch=torch.__version__, transformers=importlib.metadata.version("transformers"),
                 threads=torch.get_num_threads(), cpu_count=os.cpu_count(), quick=args.quick, rounds=args.rounds,
                 warmup=args.warmup, peak_tflops=args.peak_tflops, python=platform.python_version(),
-                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
-                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                gpu=torch.cuda.get_device_name() if args.device == "cuda" else None, clock=args.clock,
+                base=args.libs[-1].root, loadavg=os.getloadavg()[0], date=time.strftime("%Y-%m-%d %H:%M:%S"))
     print(f"# attnreg bench ({'quick' if args.quick else 'full'}; {args.device}"
           + (f", {meta['gpu']}, peak {args.peak_tflops:g} TFLOP/s bf16" if args.device == "cuda" else "")
           + f"; torch {meta['torch']}, transformers {meta['transformers']}; {meta['threads']} threads; "
-          f"{args.rounds} rounds after {args.warmup} warm-up, medians)\n")
+          f"{args.rounds} rounds after {args.warmup} warm-up, medians of {args.clock} time"
+          + (f"; base {meta['base']}" if args.base else "") + ")\n")
     fns = dict(dense=bench_dense, bigbird=bench_bigbird, scaling=bench_scaling, hst=bench_hst,
                attendout=bench_attendout, sar=bench_sar)
     results, t0 = {}, time.perf_counter()
@@ -682,7 +762,7 @@ def main(argv=None):
         figs = [f for r in results.values() for f in r.get("figures", [])]
         print("## Summary\n")
         print("\n".join(f"- {f['line']}" for f in figs))
-        print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+        print(f"\n(total {time.perf_counter() - t0:.0f} s, load average {os.getloadavg()[0]:.2f} at the end)")
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, sizes=S, results=results), f, indent=1, default=str)
         print(f"wrote {args.json}")
@@ -697,6 +777,8 @@ def check_args(args):
         fail(f"--peak-tflops {args.peak_tflops}: must be > 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda: no CUDA device visible to torch")
+    if args.device == "cuda" and args.clock == "cpu":
+        fail("--clock cpu: CPU time misses the GPU's work; use --clock wall with --device cuda")
     parse_only(args.only)
     for name in ("json", "plot"):
         path = getattr(args, name)

@@ -1,4 +1,5 @@
-"""Smoke tests of research/bench.py: its helpers, one scaling child process and one tiny command-line run.
+"""Smoke tests of research/bench.py: its helpers, --base's side-by-side loading, one scaling child process
+and two tiny command-line runs.
 
 Never asserts on times (timings are noisy); only that the bench runs and reports what it says.
 Run: python -m pytest -q research/tests/test_bench.py      (well under 30 s)
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import bench
@@ -57,10 +59,35 @@ def test_sparse_flops_grow_linearly():
 
 
 def test_child_process_reports_time_and_memory():
-    args = SimpleNamespace(device="cpu", threads=1)
-    r = bench.peak_memory_child("sparse", 256, args, steps=1)
+    """A scaling point in a fresh process, built from a --base checkout's modules (here: this one's)."""
+    args = SimpleNamespace(device="cpu", threads=1, clock="cpu")
+    r = bench.peak_memory_child("sparse", 256, args, steps=1, lib=SimpleNamespace(root=ROOT))
     assert "error" not in r, r.get("error")
     assert len(r["times"]) == 1 and r["peak_bytes"] >= 0 and r["flops"] > 0
+
+
+def test_load_checkout_imports_a_second_copy_side_by_side():
+    """--base DIR: DIR's model / attendout / sar are fresh module objects; `import model` still gives ours, and
+    a train step of the base's AttendOut model holds the base's budget."""
+    import model
+    lib = bench.load_checkout(ROOT)
+    assert lib.model is not model and sys.modules["model"] is model and lib.tag == " (base)"
+    assert lib.model.__file__ == model.__file__ and lib.model.Model is not model.Model
+    cfg = bench.make_config(lib, vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                            max_positions=70, attn_dropout="attendout", no_such_field=1)   # a base drops it
+    net = lib.model.Model(cfg).train()
+    before = [m.gnet.target.clone() for m in lib.attendout.attendout_modules(net)]   # two layers: one layer's
+    # target is rho itself (the mean over one layer), two layers' targets move apart from it
+    assert torch.isfinite(bench.train_step(net, bench.random_batch(2, 16, 50, "cpu"), bench.ours_hidden_loss,
+                                           lib=lib))
+    after = [m.gnet.target for m in lib.attendout.attendout_modules(net)]
+    assert not all(map(torch.equal, before, after))      # hold_budget ran after the step
+
+
+def test_load_checkout_refuses_a_folder_without_model(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.load_checkout(str(tmp_path))
+    assert capsys.readouterr().err.startswith("error: --base")
 
 
 def test_scaling_kinds_choose_the_kernel_path():
@@ -82,6 +109,18 @@ def test_cli_quick_section_writes_json(tmp_path):
     assert "SAR / plain step: ratio" in r.stdout and "| plain CE |" in r.stdout
     res = json.loads(out.read_text())
     assert [f["name"] for f in res["results"]["sar"]["figures"]] == ["SAR / plain step", "R-Drop / plain step"]
+
+
+def test_cli_base_runs_both_checkouts_side_by_side(tmp_path):
+    """`--only attendout --base DIR --clock cpu`: four models timed alternately, after / before figures."""
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "research/bench.py", "--quick", "--only", "attendout", "--rounds", "1",
+                        "--warmup", "0", "--threads", "1", "--clock", "cpu", "--base", ROOT, "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| attendout (base) |" in r.stdout and "attendout / attendout (base): ratio" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["meta"]["base"] == ROOT and res["meta"]["clock"] == "cpu"
 
 
 def test_peak_tensor_bytes_counts_live_tensors():
