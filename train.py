@@ -123,15 +123,15 @@ def check_args(args):                                    # before anything is re
     for name, v in vars(args).items():                   # every number >= 0 (>= 1 for the POSITIVE); NaN fails
         if type(v) in (int, float) and not (math.isfinite(v) and v >= (name in POSITIVE)):
             fail(f"--{name.replace('_', '-')} {v}: must be >= {int(name in POSITIVE)}")
-    missing = [f for f in ("data", "train_file", "dev_file") if getattr(args, f) and not os.path.exists(vars(args)[f])]
+    for f in ("data", "train_file", "dev_file"):
+        if getattr(args, f) and not os.path.exists(getattr(args, f)):
+            fail(f"--{f.replace('_', '-')} {getattr(args, f)}: no such file or folder")
     for wrong, what in [(args.max_steps == 0 and not args.epochs > 0, f"--epochs {args.epochs}: must be > 0"),
                         (args.max_len is not None and args.max_len < 8, f"--max-len {args.max_len}: must be >= 8"),
                         (args.sar > 0 and args.rdrop > 0, "--sar and --rdrop are alternatives; give one"),
                         (args.sar_shift < 1, f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token"),
                         (args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(
-                            args.schedule), f"--schedule {args.schedule}: no such file (or linear:P_LOW:P_HIGH)"),
-                        (missing, f"--{missing[0].replace('_', '-')} {getattr(args, missing[0])}: no such file or "
-                                  "folder" if missing else "")]:
+                            args.schedule), f"--schedule {args.schedule}: no such file (or linear:P_LOW:P_HIGH)")]:
         if wrong:
             fail(what)
 
