@@ -4,8 +4,8 @@ The two methods need their baselines' exact inputs: AttendOut (learned attention
 the checkpoints' own tokenizers (equal to HF's); ERNIE-Sparse (sparse + hierarchical attention, SAR) on Long
 Range Arena (LRA's byte / pixel inputs, readers/lra.py) and long-document QA (readers/qa.py, loaded on first use).
 
-In reading order: 0. one-line errors; 1. tokenizers; 2. readers (GLUE, TSV/CSV/JSONL, ListOps, masked LM);
-3. the task table (TASKS: each task's reader and objective); 4. batching; 5. metrics; 6. the ListOps generator.
+In reading order: 0. one-line errors; 1. tokenizers; 2. readers (GLUE, TSV/CSV/JSONL, ListOps; masked LM is in
+readers/mlm.py); 3. the task table (TASKS: each task's reader and objective); 4. batching; 5. metrics; 6. ListOps.
 
 Run: python data.py listops data/listops --train 96000 --val 2000 --test 2000 --min-len 500 --max-len 2000
 """
