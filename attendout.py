@@ -140,8 +140,8 @@ class GNet(nn.Module):
 
     def features(self, x):
         """x [B, L, d] -> (a, c), each [B, H, L, d_g], with a_i . c_j = P_ij, the pair term, which each kernel's
-        pair_scores(a, c) computes in its own layout. No bound: a soft bound on the features (|P| <= 8) cost
-        the demo 2-5 points on two of three seeds (docs/results.md); unbounded, some logits saturate (the cap still holds)."""
+        pair_scores(a, c) computes in its own layout. No bound: a soft bound on the features (|P| <= 8) cost the
+        demo 2-5 points on two of three seeds (docs/results.md); unbounded, some logits saturate (the cap holds)."""
         B, L, _ = x.shape
         g = F.linear(x.detach(), self.weight, self.bias)         # gq | gk = X W + b, X DETACHED: the G-Net cannot
         g = g.view(B, L, 2, self.num_heads, self.gnet_dim).permute(2, 0, 3, 1, 4)   # shape the backbone through it
