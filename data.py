@@ -17,7 +17,7 @@ import json
 import os
 import random
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -522,6 +522,9 @@ def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=N
     return [t for _, text, pair, _ in read_generic(path, cols, name == "qqp")[0] for t in (text, pair) if t]
 
 # ---- 4. Batching: deterministic length buckets, dynamic padding --------------------------------------------
+
+def autocast(device):          # the precision batches run in: bf16 autocast on CUDA, fp32 on the CPU
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 def collate(examples, pad_id, multiple_of=1):
     """The batch dict: input_ids, attention_mask, token_type_ids [B, L] padded to the longest example (rounded

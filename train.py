@@ -154,8 +154,8 @@ def load_tokenizer(args, data_dir, stored_files):
     """The checkpoint's own, the task's fixed one (ListOps symbols, LRA bytes), or SentencePiece trained here."""
     if stored_files:
         return data.tokenizer_from_files(data.tensors_to_files(stored_files))
-    if data.fixed_tokenizer(args.task):
-        return data.fixed_tokenizer(args.task)
+    if (fixed := data.fixed_tokenizer(args.task)) is not None:     # built once
+        return fixed
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
     if not os.access(folder, os.W_OK):                   # read-only data: the cache goes under data/spm-cache/
         folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
@@ -226,9 +226,6 @@ def check_run(args, task, cfg, data_dir):
 
 # --- 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
 
-def autocast(device):                                    # bf16 on CUDA; fp32 (no autocast) on the CPU
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-
 def classify_loss(model, batch, args, task, tok):
     """CE (MSE for regression, methods.md §1); SAR / R-Drop: both views' CE + alpha x consistency (§2.3)."""
     if task.head == "pair":                              # LRA Retrieval: [B, 2, L] -> [2B, L], rows 2i, 2i + 1
@@ -256,7 +253,7 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
             ids, mask, pos, types = batch["input_ids"], batch["attention_mask"], None, batch["token_type_ids"]
             if shift_by:                                 # the content keeps its positions; the blocks move
                 ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
-            with autocast(device):                       # bf16 on CUDA
+            with data.autocast(device):                  # bf16 on CUDA
                 logits = raw(ids, mask, types, pos).float()                       # [B, C]
             preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
             labels.append(batch["labels"])
@@ -505,7 +502,7 @@ def train_step(r, batches, step, meter):
         batch = {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in batch.items()}
         meter["seen"] += batch["input_ids"].size(0) * r.world
         sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages the gradients at the last micro-batch
-        with (nullcontext() if sync else r.model.no_sync()), autocast(r.device):
+        with (nullcontext() if sync else r.model.no_sync()), data.autocast(r.device):
             loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)       # the task's objective, section 3
         (loss / args.grad_accum).backward()              # mean over the micro-batches
         loss_sum += loss.item() / args.grad_accum

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import sar
-from data import DataError, Example, TaskData, make_batches, longest_first, read_text
+from data import DataError, Example, TaskData, autocast, longest_first, make_batches, read_text
 
 
 def text_files(data_dir, train_file=None, dev_file=None):
@@ -104,7 +104,7 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
         for i, batch in enumerate(make_batches(longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0,
                                                epoch=0, shuffle=False)):
             batch = {k: v.to(device) for k, v in batch.items()}
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with autocast(device):
                 losses.append(loss(raw, batch, args, task, tok, torch.Generator().manual_seed(i), shift_by)[0].item())
         out[split] = {"loss": sum(losses) / len(losses), "ppl": math.exp(min(sum(losses) / len(losses), 50))}
     raw.train()

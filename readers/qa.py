@@ -30,7 +30,6 @@ import os
 import re
 import string
 from collections import Counter
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import sar
-from data import DataError, Example, TaskData, longest_first, make_batches, read_text
+from data import DataError, Example, TaskData, autocast, longest_first, make_batches, read_text
 
 DOC_STRIDE = 128          # tokens between the starts of two windows of one context (BERT's run_squad)
 MAX_QUERY_TOKENS = 64     # a longer question is cut
@@ -228,11 +227,6 @@ def load(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **colu
 
 # -----------------------------------------------------------------------------
 # Loss and evaluation
-
-def autocast(device):
-    """Forward passes in bf16 autocast on CUDA, fp32 on the CPU (as train.py's)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-
 
 def span_loss(logits, labels, attention_mask):
     """1/2 (CE(start) + CE(end)) over the real tokens. logits [B, L, 2], labels [B, 2], attention_mask [B, L]."""
