@@ -420,6 +420,9 @@ def setup(args):
         if os.path.exists(path):                         # the old run's files go only now, once all is ready
             os.remove(path)
     os.makedirs(args.out, exist_ok=True)
+    for f in os.listdir(args.out) if is_main() else ():  # a save killed mid-write leaves its temporary file
+        if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+            os.remove(os.path.join(args.out, f))
     if args.resume:
         restore(r, start[3])
     start = None                                         # free the checkpoint's weights
