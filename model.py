@@ -51,11 +51,11 @@ class Config:
     num_global: int = 1               # g: the first g tokens see, and are seen by, every token
     num_random: int = 0               # r: random key blocks per query block (BigBird: 3)
     attn_dropout: str = "standard"    # attention dropout (§3, attendout.py), one of attendout.METHODS
-    attn_dropout_p: float = 0.1       # p0: the standard rate, and the G-Nets' starting rate
-    gnet_dim: int = 16                # d_g, the G-Net's projection size per head
-    gnet_tau: float = 0.5             # temperature of the relaxed Bernoulli
-    gnet_budget: float | None = None  # rho, the mean drop rate the G-Nets are held at (None: attn_dropout_p)
-    gnet_lr: float = 3e-3             # the G-Nets' own peak learning rate (0: frozen)
+    attn_dropout_p: float = 0.1       # the standard rate (AttendOut: no attention dropout in either pass)
+    gnet_shape: str = "shared"        # AttendOut's G-Net: "shared" (one mask for all heads, d -> d) | "per-head"
+    gnet_dim: int = 16                # per-head: the G-Net's projection size per head
+    gnet_tau: float = 0.5             # the keep reward's weight is tau^2 (methods.md §3.1)
+    gnet_lr: float | None = None      # the G-Nets' own peak learning rate (None: the backbone's, as the author)
     schedule: str = ""                # scheduled dropout: a droprates.jsonl or "linear:P_LOW:P_HIGH"
     layerdrop: float = 0.0            # LayerDrop: skip a whole layer with this probability (training)
     attn_layerdrop: float = 0.0       # Attn.LayerDrop: skip only the attention sub-layer (training)
@@ -67,7 +67,8 @@ class Config:
 def check_config(cfg):                # a value the model cannot run: one error naming the field (= train.py's flag)
     if cfg.hidden_size % cfg.num_heads:
         raise ValueError(f"hidden_size {cfg.hidden_size} is not divisible by num_heads {cfg.num_heads}")
-    for name, choices in (("attention", ("dense", "sparse", "hst")), ("attn_dropout", METHODS), ("head", HEADS)):
+    for name, choices in (("attention", ("dense", "sparse", "hst")), ("attn_dropout", METHODS), ("head", HEADS),
+                          ("gnet_shape", ("shared", "per-head"))):
         if getattr(cfg, name) not in choices:      # METHODS: the one list of attention-dropout methods
             raise ValueError(f"unknown {name} {getattr(cfg, name)!r}: choose one of {', '.join(choices)}")
     for name in ("hidden_dropout_p", "attn_dropout_p", "layerdrop", "attn_layerdrop"):
@@ -75,17 +76,21 @@ def check_config(cfg):                # a value the model cannot run: one error 
             raise ValueError(f"{name} = {getattr(cfg, name)} must be in [0, 1) (--{name.replace('_', '-')})")
 
 # ---- A layer's parts: attention (the fused kernel unless a hook needs the probabilities), embeddings, FFN
-def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, drop_fn=None):  # softmax(Q K^T / sqrt(d_h) + mask) V
-    if drop_fn is None:                            # fused (methods.md §1); step by step when AttendOut must see A
-        mask = None if key_mask is None else key_mask[:, None, None, :]             # [B, 1, 1, L]
+def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, mask_fn=None):
+    """softmax(Q K^T / sqrt(d_h) + mask) V (methods.md §1). q, k, v [B, H, L, d_h], key_mask [B, L] bool.
+    Fused (SDPA) unless AttendOut's masked pass must change the logits: then step by step (§3.1)."""
+    if mask_fn is None:
+        mask = None if key_mask is None else key_mask[:, None, None, :]           # [B, 1, 1, L]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))                         # Q K^T / sqrt(d_h): [B, H, L, L]
-    real_pairs = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)           # every (query, key) is real
-    if key_mask is not None:                                                         # + mask: padding keys -> -inf
-        scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
-        real_pairs = key_mask[:, None, :, None] & key_mask[:, None, None, :]         # [B, 1, L, L]
-    A = scores.softmax(dim=-1)                                                       # [B, H, L, L]
-    return drop_fn(A, real_pairs, lambda a, c: a @ c.transpose(-1, -2)) @ v          # A' V, A' = mask(A) (§3.1)
+    # AttendOut's masked pass: S' = S - 10000 (1 - M) on the real pairs, padding keys leave the softmax.
+    S = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))                           # [B, H, L, L]
+    real_pairs = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)        # every pair is real
+    if key_mask is not None:
+        real_pairs = key_mask[:, None, :, None] & key_mask[:, None, None, :]      # [B, 1, L, L]
+    S = mask_fn(S, real_pairs, lambda a, c: a @ c.transpose(-1, -2))               # the G-Net's mask
+    if key_mask is not None:
+        S = S.masked_fill(~key_mask[:, None, None, :], torch.finfo(S.dtype).min)
+    return S.softmax(dim=-1) @ v                                                   # [B, H, L, d_h]
 
 class Embeddings(nn.Module):
     def __init__(self, cfg):
@@ -99,8 +104,9 @@ class Embeddings(nn.Module):
         return self.drop(self.ln(self.word(input_ids) + self.pos(position_ids) + self.types(token_type_ids)))
 
 class Attention(nn.Module):
-    """Multi-head self-attention, THE plug-in point: QKV, a kernel chosen by the topology (dense, sparse, HST stage 1),
-    W_o. The kernel drops attention by the layer's method (attendout.py): a rate, or AttendOut's drop_fn on A."""
+    """Multi-head self-attention, THE plug-in point: QKV, a kernel chosen by the topology (dense, sparse, HST
+    stage 1), W_o. The kernel drops attention at the layer's rate (attendout.py), or, in AttendOut's masked
+    pass (the last of `views`), lets the G-Net's mask_fn change its logits (methods.md §3.1)."""
     def __init__(self, cfg, layer_idx):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
@@ -109,28 +115,33 @@ class Attention(nn.Module):
         self.drop = make_attn_dropout(cfg, layer_idx)                # standard / none / attendout / scheduled
         self.step_frac = 0.0                                         # training progress (scheduled dropout)
 
-    def dropout_plan(self, x):        # (Bernoulli rate, drop_fn): nothing in eval; AttendOut: the G-Net's hook on x
-        if not self.training:
-            return 0.0, None
-        return (0.0, self.drop.hook(x)) if self.drop.needs_hook else (self.drop.rate(self.step_frac), None)
-
     def eval_generator(self, device):  # random blocks: fresh in training, in eval one fixed draw per layer (§2.1)
         fixed = not self.training and self.cfg.num_random > 0
         return torch.Generator(device=device).manual_seed(1_000_003 * (self.layer_idx + 1)) if fixed else None
 
-    def forward(self, x, key_mask, kernel, views=1):  # x: [B, L, d] (HST: L = n + m); key_mask: [B, n] bool | None
+    def forward(self, x, key_mask, kernel, views=1, masked=False):
+        # x: [B, L, d] (HST: L = n + m); key_mask: [B, n] bool | None; views: the stacked views of sar.py,
+        # the last one AttendOut's masked pass when masked (training only)
         B, L, d = x.shape                                                        # Q = x W_q, K = x W_k, V = x W_v:
         q, k, v = (t.view(B, L, self.cfg.num_heads, -1).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
-        if kernel == "dense":
-            return self.out(dense_attention(q, k, v, key_mask, *self.dropout_plan(x)).transpose(1, 2).reshape(B, L, d))
-        attend = block_sparse_attention if kernel == "sparse" else hst_attention   # methods.md §2.1, §2.2
-        ys = []                                                                  # SAR's views (§2.3), each with
-        for xv, qv, kv, vv, mv in zip(*(t.chunk(views) for t in (x, q, k, v, key_mask))):   # its own random blocks
-            p, drop_fn = self.dropout_plan(xv)
-            ys.append(attend(qv, kv, vv, mv, generator=self.eval_generator(x.device), dropout_p=p, drop_fn=drop_fn,
-                             flex=x.is_cuda, **pattern_of(self.cfg)))           # b, w, g, r: [B, H, L, d_h]
+        p = self.drop.rate(self.step_frac) if self.training else 0.0             # Bernoulli rate (0 in eval)
+        masked = masked and self.training
+        if kernel == "dense" and not masked:                                     # one fused call for all rows
+            return self.out(dense_attention(q, k, v, key_mask, p).transpose(1, 2).reshape(B, L, d))
+        attend = {"dense": dense_attention, "sparse": block_sparse_attention, "hst": hst_attention}[kernel]
+        ys = []                                                                  # views (§2.3), each with
+        for i, (xv, qv, kv, vv, mv) in enumerate(zip(*(split_views(t, views) for t in (x, q, k, v, key_mask)))):
+            mask_fn = self.drop.hook(xv) if masked and i == views - 1 else None  # AttendOut's masked pass
+            if kernel == "dense":
+                ys.append(dense_attention(qv, kv, vv, mv, p, mask_fn))
+            else:                                                                # its own random blocks
+                ys.append(attend(qv, kv, vv, mv, generator=self.eval_generator(x.device), dropout_p=p,
+                                 mask_fn=mask_fn, flex=x.is_cuda, **pattern_of(self.cfg)))   # [B, H, L, d_h]
         y = torch.cat(ys) if views > 1 else ys[0]
         return self.out(y.transpose(1, 2).reshape(B, L, d))                      # heads side by side, W_o: [B, L, d]
+
+def split_views(t, views):            # [views B, ...] -> views tensors [B, ...] (None: views Nones)
+    return [None] * views if t is None else t.chunk(views)
 
 class FeedForward(nn.Module):
     def __init__(self, cfg):
@@ -153,15 +164,15 @@ class Layer(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.drop = nn.Dropout(cfg.hidden_dropout_p)
 
-    def forward(self, x, key_mask, rep_mask=None, views=1):
+    def forward(self, x, key_mask, rep_mask=None, views=1, masked=False):
         cfg = self.cfg
         if self.training and cfg.layerdrop > 0 and torch.rand(()) < cfg.layerdrop:   # LayerDrop (methods.md §3.3)
             return x
         if not (self.training and cfg.attn_layerdrop > 0 and torch.rand(()) < cfg.attn_layerdrop):  # Attn.LayerDrop
-            x = self.ln1(x + self.drop(self.attn(x, key_mask, cfg.attention, views)))  # x = LN1(x + Drop(Attn(x)))
+            x = self.ln1(x + self.drop(self.attn(x, key_mask, cfg.attention, views, masked)))  # x = LN1(x + Drop(Attn(x)))
             if cfg.attention == "hst":                                                 # stage 2 (methods.md §2.2):
                 n, r = x.size(1) - rep_mask.size(1), x[:, -rep_mask.size(1):]          # R1: [B, m, d]
-                r = self.ln1(r + self.drop(self.attn(r, rep_mask, "dense")))           # R2 = LN1(R1 + Drop(Attn(R1)))
+                r = self.ln1(r + self.drop(self.attn(r, rep_mask, "dense", views, masked)))           # R2 = LN1(R1 + Drop(Attn(R1)))
                 x = torch.cat([x[:, :n], r], dim=1)                                    # [X1; R2]
         return self.ln2(x + self.drop(self.ffn(x)))                                    # x = LN2(x + Drop(FFN(x)))
 
@@ -229,10 +240,11 @@ class Model(nn.Module):
             return torch.cumsum(real, dim=1) * real + self.cfg.pad_id              # pad_id + cumsum(real) * real
         return torch.arange(input_ids.size(1), device=input_ids.device).expand_as(input_ids)   # BERT: 0 .. L-1
 
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, views=1):
-        # the last hidden states [B, L, d] of input_ids [B, L] (mask 1: a real token; views: sar.py's stacked views)
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, views=1, masked=False):
+        # the last hidden states [B, L, d] of input_ids [B, L] (mask 1: a real token; views: sar.py's stacked
+        # views; masked: the last view is AttendOut's masked pass, methods.md §3.1)
         c, L = self.cfg, input_ids.size(1)
-        if self.training:                              # AttendOut: this forward's budget targets, fresh statistics
+        if self.training:                              # AttendOut: fresh counts for this forward
             begin_forward(self)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
@@ -249,7 +261,7 @@ class Model(nn.Module):
         key_mask = None if c.attention == "dense" and bool(mask.all()) else mask.bool()   # None: fastest path
         x, rep_mask = self.add_representatives(x, key_mask) if c.attention == "hst" else (x, None)   # HST: [X; R]
         for layer in self.layers:
-            x = layer(x, key_mask, rep_mask, views)
+            x = layer(x, key_mask, rep_mask, views, masked)
         return x[:, :L]                                                            # without block padding and R
 
     def add_representatives(self, x, key_mask):  # HST (methods.md §2.2) -> [X; R] and R's mask
@@ -264,13 +276,14 @@ class Model(nn.Module):
         h = self.encode(input_ids, attention_mask, token_type_ids, position_ids)   # [B, L, d]
         return self.mlm(h, self.emb.word.weight)                                   # [B, L, vocab]
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, head="cls", views=1):
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, head="cls", views=1,
+                masked=False):
         # the head's logits: classes / regression [B, C]; pair [B / 2, C]; span [B, L, 2]. head="mlm": mlm_logits
         if head == "mlm":
             return self.mlm_logits(input_ids, attention_mask, token_type_ids, position_ids)
         if self.cls is None:
             raise ValueError("this model has no task head (num_labels = 0); use mlm_logits or encode")
-        return self.cls(self.encode(input_ids, attention_mask, token_type_ids, position_ids, views))
+        return self.cls(self.encode(input_ids, attention_mask, token_type_ids, position_ids, views, masked))
 
     def set_progress(self, step_frac):  # how far training is (0 .. 1), for scheduled dropout
         for layer in self.layers:

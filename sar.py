@@ -1,6 +1,7 @@
 """sar.py: Self-Attention Regularization (ERNIE-Sparse, Liu et al. 2022) and its control, R-Drop.
 
-What it is: the consistency losses that ask a model for the same answer under two views of one batch.
+What it is: the views of one batch (the original, the shifted topology) and the consistency term that asks
+a model for the same answer under two of them. The losses themselves are written out in train.py.
 
 The idea in three lines (docs/methods.md §2.3, reconstructed): a sparse model's answer depends on where its
 block boundaries fall. SAR shifts the topology (s padding tokens after the first token move every boundary
@@ -31,63 +32,46 @@ def unshift(outputs, shift_by):
     return torch.cat([outputs[:, :1], outputs[:, 1 + shift_by:]], dim=1) if shift_by else outputs
 
 
-def task_loss(logits, labels, regression=False):
-    """Cross-entropy, or MSE for a 1-output regression head (methods.md §1)."""
-    if regression:
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float())         # logits: [B, 1]
-    return F.cross_entropy(logits.float(), labels)                            # logits: [B, C]
-
-
 def consistency(z1, z2, regression=False):
-    """The consistency term of methods.md §2.3, averaged over the batch."""
-    if regression:                                       # regression: the squared difference of the outputs
+    """The consistency term of methods.md §2.3 (SAR, R-Drop) and §3.1 (AttendOut), averaged over the batch:
+    1/2 (KL(p1 || p2) + KL(p2 || p1)) of the two predictions; regression: their squared difference."""
+    if regression:
         return ((z1.float() - z2.float()) ** 2).mean()
-    lp1, lp2 = F.log_softmax(z1.float(), dim=-1), F.log_softmax(z2.float(), dim=-1)   # log p, [B, C]
+    lp1 = F.log_softmax(z1.float(), dim=-1)              # log p1, [B, C]
+    lp2 = F.log_softmax(z2.float(), dim=-1)              # log p2, [B, C]
     kl12 = (lp1.exp() * (lp1 - lp2)).sum(-1)             # KL(p1 || p2) = sum_c p1 (log p1 - log p2), [B]
     kl21 = (lp2.exp() * (lp2 - lp1)).sum(-1)             # KL(p2 || p1), [B]
-    return (0.5 * (kl12 + kl21)).mean()                  # 1/2 (KL(p1 || p2) + KL(p2 || p1))
+    return (0.5 * (kl12 + kl21)).mean()
 
 
-def paired_loss(z1, z2, labels, alpha, regression=False):
-    """Returns (L, its CE part, the consistency term), so the console can show them apart."""
-    ce = 0.5 * (task_loss(z1, labels, regression) + task_loss(z2, labels, regression))  # 1/2 (CE(z1) + CE(z2))
-    cons = consistency(z1, z2, regression)
-    return ce + alpha * cons, ce, cons                   # L = 1/2 (CE1 + CE2) + alpha * consistency, §2.3
-
-
-def two_views(model, batch, shift_by):
-    """Logits of the original and the shifted view (shift_by = 0: R-Drop's two identical views), [B, C] each.
-
-    Both views run as ONE batch of 2B rows. views=2 tells the model so: each half gets its own sparse-kernel
-    call and so its own random blocks (methods.md §2.3: they are re-drawn for the shifted view)."""
+def stacked_views(model, batch, second=None, masked=False):
+    """The logits [B, C] of every view of one batch, run as ONE stacked batch (methods.md §2.3, §3.1):
+        the original;
+        second = s >= 1: the topology shifted by s tokens (SAR); second = 0: a plain copy (R-Drop);
+        masked: a copy of the original, last, that AttendOut's G-Nets mask (training only).
+    views = their number tells the model: each view gets its own sparse-kernel call, so its own random
+    blocks, and the model knows which view is the masked one."""
     ids, mask, types = batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids")
     raw = getattr(model, "module", model)                # the Model itself, also under DistributedDataParallel
-    pos = raw.position_ids(ids)                          # the content's positions, kept by both views
-    s_ids, s_mask, s_pos, s_types = ids, mask, pos, types
-    if shift_by > 0:
+    pos = raw.position_ids(ids)                          # the content's positions, kept by every view
+    views = [(ids, mask, pos, types)]
+    if second is not None and second > 0:
         pad = raw.cfg.pad_id
-        s_ids, s_mask, s_pos, s_types = shift(ids, mask, shift_by, pad, pos, types)       # [B, L + s]
-        # the original is padded at the END to the same length: padding there moves no boundary a token sees
-        right = (0, shift_by)
-        ids, mask, pos = F.pad(ids, right, value=pad), F.pad(mask, right, value=0), F.pad(pos, right, value=pad)
+        s_ids, s_mask, s_pos, s_types = shift(ids, mask, second, pad, pos, types)     # [B, L + s]
+        # the original is padded at the END to the same length: padding there moves no boundary
+        right = (0, second)
+        ids = F.pad(ids, right, value=pad)
+        mask = F.pad(mask, right, value=0)
+        pos = F.pad(pos, right, value=pad)
         types = None if types is None else F.pad(types, right, value=0)
-    cat = lambda a, b: None if a is None else torch.cat([a, b], dim=0)                    # [2B, L + s]
-    z = model(cat(ids, s_ids), cat(mask, s_mask), cat(types, s_types), cat(pos, s_pos), views=2)  # [2B, C]
-    return z.chunk(2, dim=0)
-
-
-def sar_loss(model, batch, alpha=1.0, shift_by=1, regression=False):
-    """SAR (methods.md §2.3): CE on both topologies + alpha * their symmetric KL."""
-    if shift_by < 1:
-        raise ValueError(f"--sar-shift {shift_by}: SAR needs a shift of at least 1 token (0 is R-Drop, --rdrop)")
-    z1, z2 = two_views(model, batch, shift_by)
-    return paired_loss(z1, z2, batch["labels"], alpha, regression)
-
-
-def rdrop_loss(model, batch, alpha=1.0, regression=False):
-    """R-Drop: the same loss, both passes on the original topology (they differ only by dropout)."""
-    z1, z2 = two_views(model, batch, 0)
-    return paired_loss(z1, z2, batch["labels"], alpha, regression)
+        views = [(ids, mask, pos, types), (s_ids, s_mask, s_pos, s_types)]
+    elif second == 0:
+        views.append(views[0])                           # R-Drop: the same rows twice
+    if masked:
+        views.append(views[0])                           # AttendOut: the original, masked
+    cat = lambda i: None if views[0][i] is None else torch.cat([v[i] for v in views], dim=0)
+    z = model(cat(0), cat(1), cat(3), cat(2), views=len(views), masked=masked)   # [views B, C]
+    return list(z.chunk(len(views), dim=0))
 
 
 def eval_shifts(eval_shift, sparse, block_size):

@@ -133,30 +133,33 @@ def real_keys(attention_mask, n, block_size, with_reps, batch_size=1, device=Non
 
 def gather_keys(c, kidx, m):
     """c [B, H, L, e] -> [B, H, m, K, e]: row kidx[h, i, j] of head h, by ONE index_select (its backward is
-    one index_add_). Used for k, v and (AttendOut) the pair scores alike."""
-    B, H, L, e = c.shape
-    flat = (kidx + torch.arange(H, device=kidx.device)[:, None, None] * L).reshape(-1)  # [H m K] rows h L + l
-    return c.reshape(B, H * L, e).index_select(1, flat).view(B, H, m, -1, e)
+    one index_add_). Used for k, v and (AttendOut) the G-Net's features alike. A c with one head (the shared
+    G-Net) is read through every head's kidx: [B, 1, L, e] -> [B, H_kidx, m, K, e]."""
+    B, Hc, L, e = c.shape
+    H = kidx.shape[0]
+    heads = torch.arange(H, device=kidx.device)[:, None, None] if Hc > 1 else 0
+    flat = (kidx + heads * L).reshape(-1)                                        # [H m K] rows h L + l
+    return c.reshape(B, Hc * L, e).index_select(1, flat).view(B, H, m, -1, e)
 
 
-def _attend(q, k, v, valid, dropout_p, drop_fn, pair_scores, real_rows):
+def _attend(q, k, v, valid, dropout_p, mask_fn, pair_scores, real_rows):
     """softmax(q k^T / sqrt(d_h), masked by valid) v over any leading layout: q [.., Q, d], k, v [.., K, d],
-    valid bool [.., Q, K]. real_rows [.., Q, 1]: the query rows that are real tokens (drop_fn counts only
+    valid bool [.., Q, K]. real_rows [.., Q, 1]: the query rows that are real tokens (mask_fn counts only
     real pairs). A row with no valid key gives 0."""
     invalid = ~valid
     a = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))  # S = q k^T / sqrt(d_h) §1
+    if mask_fn is not None:                                   # AttendOut's masked pass (methods.md §3.1):
+        a = mask_fn(a, valid & real_rows, pair_scores)        # S' = S - 10000 (1 - M), in this layout
     with torch.no_grad():                                     # a finite fill, in place, outside autograd: a
         a.masked_fill_(invalid, torch.finfo(a.dtype).min)     # masked score gets probability 0, gradient 0
     a = a.softmax(dim=-1)                                     # A = softmax(S) [.., Q, K] (S freed here)
-    if drop_fn is not None:                                   # AttendOut's hook (methods.md §3.1) sees A
-        a = drop_fn(a.masked_fill(invalid, 0.0), valid & real_rows, pair_scores)  # in this layout, real pairs marked
-    elif dropout_p > 0:
+    if dropout_p > 0:
         a = F.dropout(a, dropout_p, training=True)            # standard attention dropout
     out = torch.matmul(a, v)                                  # A V [.., Q, d]
     return out.masked_fill(invalid.all(dim=-1, keepdim=True), 0.0)  # no valid key: 0, not a uniform mean
 
 
-def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn, pattern):
+def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, mask_fn, pattern):
     """The body of block_sparse_attention (with_reps=False, L = n) and hst_attention (L = n + m, [X; R]).
     q, k, v [B, H, L, d]; returns [B, H, L, d]."""
     p = Pattern(**pattern)
@@ -177,23 +180,24 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
     valid = (lay.kin & real[:, lay.kidx])[:, :, :, None, :] & row_ok            # [B, H, m, bq, K]
 
     def queries(a):                                  # [B, H, L, e] -> [B, H, m, bq, e]; R_i is row b (HST)
-        ab = a[:, :, :n].reshape(B, H, m, b, a.shape[-1])
+        ab = a[:, :, :n].reshape(B, a.shape[1], m, b, a.shape[-1])               # (H or the G-Net's 1)
         return torch.cat([ab, a[:, :, n:, None]], dim=3) if with_reps else ab
 
     def pair_local(a, c):                            # a_i . c_j in the block layout, [B, H, m, bq, K]
-        return torch.matmul(queries(a), gather_keys(c, lay.kidx, m).transpose(-1, -2))
+        kidx = lay.kidx[:1] if c.shape[1] == 1 and p.num_random == 0 else lay.kidx   # heads alike: one
+        return torch.matmul(queries(a), gather_keys(c, kidx, m).transpose(-1, -2))
 
     real_rows = real[:, :n].view(B, 1, m, b, 1)                                  # real query tokens
     if with_reps:                                                                # and real R_i rows
         real_rows = torch.cat([real_rows, real[:, n:].view(B, 1, m, 1, 1)], dim=3)  # [B, 1, m, bq, 1]
     out = _attend(queries(q), gather_keys(k, lay.kidx, m), gather_keys(v, lay.kidx, m), valid, dropout_p,
-                  drop_fn, pair_local, real_rows)                                # [B, H, m, bq, d]
+                  mask_fn, pair_local, real_rows)                                # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                               # [B, H, n, d]
     if g > 0:                                        # the g global rows attend to every key, densely: O(g L)
         def pair_global(a, c):                       # [B, H, g, L]
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))
 
-        out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, drop_fn, pair_global,
+        out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, mask_fn, pair_global,
                         real[:, None, :g, None])                                 # [B, H, g, d]
         tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                  # they replace their block rows
     if not with_reps:
@@ -201,29 +205,29 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, drop_fn
     return torch.cat([tok_out, out[:, :, :, b]], dim=2)                          # [B, H, n + m, d]: [X; R]
 
 
-def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, drop_fn=None,
+def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, mask_fn=None,
                            flex=False, **pattern):
     """methods.md §2.1. q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size;
     pattern: the Pattern keywords. generator: the random blocks' (None: torch's global one, a fresh draw).
-    drop_fn(A, valid, pair_scores), the AttendOut hook (methods.md §3.1), is called on the block layout
-    A [B, H, m, b, K], then on the global rows [B, H, g, n]. flex=True (CUDA): with nothing to drop, run
-    through FlexAttention (flex_stage1). Returns [B, H, n, d_h]."""
-    if flex and drop_fn is None and dropout_p == 0:
+    mask_fn(S, valid, pair_scores), AttendOut's masked pass (methods.md §3.1), is called on the logits of the
+    block layout S [B, H, m, b, K], then of the global rows [B, H, g, n]. flex=True (CUDA): with nothing to
+    drop or mask, run through FlexAttention (flex_stage1). Returns [B, H, n, d_h]."""
+    if flex and mask_fn is None and dropout_p == 0:
         return flex_stage1(q, k, v, attention_mask, with_reps=False, generator=generator, **pattern)
     return _stage1(q, k, v, attention_mask, with_reps=False, generator=generator, dropout_p=dropout_p,
-                   drop_fn=drop_fn, pattern=pattern)
+                   mask_fn=mask_fn, pattern=pattern)
 
 
-def hst_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, drop_fn=None, flex=False,
+def hst_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, mask_fn=None, flex=False,
                   **pattern):
     """methods.md §2.2 stage 1 (reconstructed). q, k, v [B, H, n + m, d_h]: n tokens, then m representatives.
     A token in block j: its §2.1 keys + R_j; a global token: every token and representative; R_j: the tokens
     of block j, the globals and R_j (valid iff block j holds a real token). The block layout is
     [B, H, m, b + 1, K + 1]: R_j is query row b and key column K of block j. Returns [B, H, n + m, d_h]."""
-    if flex and drop_fn is None and dropout_p == 0:
+    if flex and mask_fn is None and dropout_p == 0:
         return flex_stage1(q, k, v, attention_mask, with_reps=True, generator=generator, **pattern)
     return _stage1(q, k, v, attention_mask, with_reps=True, generator=generator, dropout_p=dropout_p,
-                   drop_fn=drop_fn, pattern=pattern)
+                   mask_fn=mask_fn, pattern=pattern)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import attendout
 import data
@@ -80,10 +81,11 @@ def make_parser():
     add("--num-random", type=int, help="r, random key blocks per query block (Config: 0)")
     add("--max-positions", type=int, help="position-table rows; more than the checkpoint's copies the table")
     add("--attn-dropout", choices=list(attendout.METHODS), default="attendout", help="attendout.METHODS")
-    add("--attn-dropout-p", type=float, help="p0: the standard rate and the G-Nets' start (Config: 0.1)")
+    add("--attn-dropout-p", type=float, help="the standard attention-dropout rate (Config: 0.1)")
     add("--hidden-dropout-p", type=float, help="dropout on embeddings and residual branches (Config: 0.1)")
-    add("--gnet-budget", type=float, help="rho: the G-Nets' mean drop rate (default: p0)")
-    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: 3e-3)")
+    add("--gnet-tau", type=float, help="AttendOut: the keep reward's weight is tau^2 (Config: 0.5)")
+    add("--gnet-shape", choices=["shared", "per-head"], help="AttendOut: one G-Net mask for all heads, or one each")
+    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: None, --lr's)")
     add("--schedule", help="--attn-dropout scheduled: a droprates.jsonl or linear:P_LOW:P_HIGH")
     add("--layerdrop", type=float, help="LayerDrop: skip a whole layer with this probability")
     add("--attn-layerdrop", type=float, help="Attn.LayerDrop: skip only the attention sub-layer")
@@ -93,7 +95,7 @@ def make_parser():
     return ap
 
 CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
-                "attn_dropout_p", "hidden_dropout_p", "gnet_budget", "gnet_lr", "schedule", "layerdrop",
+                "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_shape", "gnet_lr", "schedule", "layerdrop",
                 "attn_layerdrop")                                # the flags that are model.Config fields
 FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **{f: None for f in CONFIG_FLAGS}}
 RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
@@ -209,6 +211,9 @@ def check_run(args, task, cfg, data_dir):
     sparse, b = cfg.attention != "dense", cfg.block_size
     if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
         fail("--sar / --rdrop need a classification or regression task, not mlm")
+    if cfg.attn_dropout == "attendout" and data.TASKS[args.task].objective != "classify":
+        fail(f"--attn-dropout attendout needs a classification or regression task, not {args.task}: its masked "
+             "pass is compared with the clean pass's predictions (methods.md §3.1)")
     if sparse and args.eval_shift != "all" and args.eval_shift >= b:
         fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b})")
     useless = [f for f in args.given for k, m in ONLY_WITH.items() if f.startswith(k) and cfg.attn_dropout != m]
@@ -226,18 +231,37 @@ def check_run(args, task, cfg, data_dir):
 
 # --- 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
 
+def task_loss(logits, labels, regression=False):
+    """Cross-entropy, or MSE for a 1-output regression head (methods.md §1)."""
+    if regression:
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())         # logits: [B, 1]
+    return F.cross_entropy(logits.float(), labels)                            # logits: [B, C]
+
 def classify_loss(model, batch, args, task, tok):
-    """CE (MSE for regression, methods.md §1); SAR / R-Drop: both views' CE + alpha x consistency (§2.3)."""
+    """The loss a classification / regression step optimises, all its terms here (methods.md §1, §2.3, §3.1):
+        L = mean over the clean views of CE                         the task loss
+          + alpha x consistency(original, second view)             SAR (shifted topology) or R-Drop (a copy)
+          + consistency(original, masked) + tau^2 x kept pairs     AttendOut: the masked pass, the keep reward
+    Every view runs in one stacked batch (sar.stacked_views)."""
     if task.head == "pair":                              # LRA Retrieval: [B, 2, L] -> [2B, L], rows 2i, 2i + 1
         batch = data.flatten_pairs(batch)
-    if args.sar > 0:                                     # SAR: the original and the shifted topology
-        loss, ce, cons = sar.sar_loss(model, batch, args.sar, args.sar_shift, task.is_regression)
-    elif args.rdrop > 0:                                 # R-Drop: two unshifted views, different dropout
-        loss, ce, cons = sar.rdrop_loss(model, batch, args.rdrop, task.is_regression)
-    else:
-        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])    # [B, C]
-        return sar.task_loss(logits, batch["labels"], task.is_regression), {}
-    return loss, {"ce": ce.item(), "consistency": cons.item()}
+    raw = getattr(model, "module", model)
+    second = args.sar_shift if args.sar > 0 else 0 if args.rdrop > 0 else None   # SAR / R-Drop / neither
+    masked = raw.cfg.attn_dropout == "attendout"
+    z = sar.stacked_views(model, batch, second, masked)  # [B, C] per view: original, (second), (masked)
+    clean = z[:-1] if masked else z
+    ce = sum(task_loss(zi, batch["labels"], task.is_regression) for zi in clean) / len(clean)
+    loss, parts = ce, {}
+    if second is not None:                               # SAR / R-Drop (methods.md §2.3)
+        cons = sar.consistency(z[0], z[1], task.is_regression)
+        loss = loss + (args.sar if args.sar > 0 else args.rdrop) * cons
+        parts.update(ce=ce.item(), consistency=cons.item())
+    if masked:                                           # AttendOut (methods.md §3.1)
+        kl = sar.consistency(z[0], z[-1], task.is_regression)       # clean against masked
+        keep = attendout.keep_reward(raw, z[0].size(0))             # kept pairs per example, all layers
+        loss = loss + kl + raw.cfg.gnet_tau ** 2 * keep
+        parts.update(ce=ce.item(), mask_consistency=kl.item(), kept=keep.item())
+    return loss, parts
 
 @torch.no_grad()
 def evaluate(raw, task, args, device, tok, shift_by=0):
@@ -269,19 +293,22 @@ def objective(task_name):                                # (loss, evaluate) of t
 # --- 4. The optimizer (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
 
 def make_optimizer(model, args, device):
-    """AdamW: matrices (decayed), biases and LayerNorms (not), the G-Nets (their own peak lr, no decay)."""
+    """AdamW: matrices (decayed), biases and LayerNorms (not), the G-Nets (their own peak lr, by default
+    --lr as in the author's code; no decay)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     gnet = lambda n: attendout.GNET in n.split(".")      # attendout.GNET: the G-Nets' submodules
     groups = [dict(params=[p for n, p in params if not gnet(n) and p.dim() >= 2], weight_decay=args.weight_decay),
               dict(params=[p for n, p in params if not gnet(n) and p.dim() < 2], weight_decay=0.0),
-              dict(params=[p for n, p in params if gnet(n)], weight_decay=0.0, base_lr=model.cfg.gnet_lr)]
+              dict(params=[p for n, p in params if gnet(n)], weight_decay=0.0,
+                   base_lr=args.lr if model.cfg.gnet_lr is None else model.cfg.gnet_lr)]
     groups = [{"base_lr": args.lr, **g} for g in groups if g["params"]]             # base_lr: the group's peak
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
 
-def clip_gradients(optimizer, max_norm):                 # the G-Nets' reversed gradient can be orders of magnitude
-    groups = [g["params"] for g in optimizer.param_groups]  # larger: clipped with the backbone, it would stop it
-    clip = lambda params: float(torch.nn.utils.clip_grad_norm_(params, max_norm or math.inf))   # the norm before
-    return {"grad_norm": clip(groups[0] + groups[1]), **({"gnet_grad_norm": clip(groups[2])} if groups[2:] else {})}
+def clip_gradients(optimizer, max_norm):                 # the backbone's; the G-Nets' reversed gradient (x 10000
+    groups = [g["params"] for g in optimizer.param_groups]  # through the mask) is not clipped, as in the author's
+    clip = lambda params, m: float(torch.nn.utils.clip_grad_norm_(params, m or math.inf))   # the norm before
+    gnet = {"gnet_grad_norm": clip(groups[2], math.inf)} if groups[2:] else {}
+    return {"grad_norm": clip(groups[0] + groups[1], max_norm), **gnet}
 
 # --- 5. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C.
 
@@ -475,7 +502,7 @@ def train(r):      # steps until r.total or a stop; each: log, evaluate, save (a
             state["step"] = step                         # the step is done
             log_step(r, step, numbers, meter)
             if gnet_log is not None:                     # AttendOut: each layer's mean drop rate (methods.md §3.1)
-                gnet_log.log(step, step / r.total, r.raw, last=step == r.total)
+                gnet_log.log(step, step / r.total, numbers["mask"], last=step == r.total)
             if step == r.total or (step % args.eval_every == 0 if args.eval_every else epoch_done):
                 if is_main():
                     evaluate_and_keep_best(r, step)
@@ -522,9 +549,8 @@ def train_step(r, batches, step, meter):
     r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets (reversed gradients)
     r.optimizer.zero_grad(set_to_none=True)              # set_to_none: no zero tensors kept
     numbers = {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}
-    if r.raw.cfg.attn_dropout == "attendout":            # AttendOut's budget (methods.md §3.1): the layers'
-        attendout.hold_budget(r.raw)                     # targets from this step's logits, their mean at rho
-        numbers["drop"] = attendout.mean_drop_rate(r.raw)
+    if r.raw.cfg.attn_dropout == "attendout":            # AttendOut: each layer's masking rate (methods.md §3.1)
+        numbers["mask"] = attendout.mask_rates(r.raw)
     return numbers, epoch_done
 
 def log_step(r, step, numbers, meter):                   # every --log-every steps: log.jsonl and the console
@@ -534,10 +560,18 @@ def log_step(r, step, numbers, meter):                   # every --log-every ste
     rate, meter["seen"], meter["t_last"] = meter["seen"] / max(now - meter["t_last"], 1e-9), 0, now
     append_jsonl(r.paths["log.jsonl"], {"step": step, **numbers, "examples_per_s": rate})
     shown = [f"loss {numbers['loss']:.4f}"]
-    if "ce" in numbers:                                  # SAR / R-Drop: loss = ce + alpha x consistency
+    terms = [f"ce {numbers['ce']:.4f}"] if "ce" in numbers else []
+    if "consistency" in numbers:                         # SAR / R-Drop: + alpha x consistency
         name, alpha = ("SAR", r.args.sar) if r.args.sar > 0 else ("R-Drop", r.args.rdrop)
-        shown[0] += f" = ce {numbers['ce']:.4f} + alpha {alpha:g} x {name} consistency {numbers['consistency']:.4f}"
-    shown += [f"drop rate {numbers['drop']:.3f}"] if "drop" in numbers else []     # AttendOut's mean rate
+        terms.append(f"{alpha:g} x {name} consistency {numbers['consistency']:.4f}")
+    if "mask_consistency" in numbers:                    # AttendOut: + consistency + tau^2 x kept pairs
+        tau = r.raw.cfg.gnet_tau
+        terms.append(f"AttendOut consistency {numbers['mask_consistency']:.4f}")
+        terms.append(f"{tau ** 2:g} x kept {numbers['kept']:.0f}")
+    if terms:
+        shown[0] += " = " + " + ".join(terms)
+    if "mask" in numbers:                                # AttendOut: each layer's masking rate
+        shown.append("mask rates " + " ".join(f"{m:.2f}" for m in numbers["mask"]))
     print(f"step {step}/{r.total}: {', '.join(shown)}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s", flush=True)
 
 def evaluate_and_keep_best(r, step):                     # dev metrics (and --eval-shift's); the best: ckpt_best.pt

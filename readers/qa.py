@@ -247,7 +247,7 @@ def loss(model, batch, args, task, tok):
 def sar_span_loss(model, batch, alpha, shift_by):
     """SAR for spans (methods.md §2.3): both topologies' span losses + alpha * the symmetric KL between their start
     distributions and between their end distributions (over the real tokens), averaged. shift_by = 0: R-Drop."""
-    z1, z2 = sar.two_views(model, batch, shift_by)                     # [B, L + s, 2] each
+    z1, z2 = sar.stacked_views(model, batch, second=shift_by)          # [B, L + s, 2] each
     mask = batch["attention_mask"]
     L = mask.size(1)
     z1, z2 = z1[:, :L], sar.unshift(z2, shift_by)                       # both [B, L, 2], the same positions

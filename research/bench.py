@@ -147,13 +147,14 @@ def autocast(device):
 
 
 def train_step(net, batch, loss_fn, device="cpu", lib=THIS):
-    """One training step without optimizer: fresh grads, forward, loss, backward, and under AttendOut the
-    budget train.py holds after each step (lib.attendout.hold_budget: ours, or the base checkout's)."""
+    """One training step without optimizer: fresh grads, forward, loss, backward (and, for a base checkout
+    from before issue 33, the AttendOut budget its train.py held after each step: hold_budget)."""
     net.zero_grad(set_to_none=True)
     with autocast(device):
         loss = loss_fn(net, batch)
     loss.backward()
-    if getattr(getattr(net, "cfg", None), "attn_dropout", None) == "attendout":    # HF models have no such field
+    is_attendout = getattr(getattr(net, "cfg", None), "attn_dropout", None) == "attendout"   # HF: no field
+    if is_attendout and hasattr(lib.attendout, "hold_budget"):
         lib.attendout.hold_budget(net)
     return loss
 
@@ -269,12 +270,32 @@ def hf_hidden_loss(model, batch):
     return h.float().pow(2).mean()
 
 
+def views_loss(lib, net, b, second=None, masked=False):
+    """train.py's classification loss, written against lib's sar.stacked_views (this checkout's API):
+    CE of the clean views + consistency (SAR / R-Drop) + AttendOut's consistency and keep reward."""
+    z = lib.sar.stacked_views(net, b, second, masked)
+    clean = z[:-1] if masked else z
+    loss = sum(torch.nn.functional.cross_entropy(zi.float(), b["labels"]) for zi in clean) / len(clean)
+    if second is not None:
+        loss = loss + lib.sar.consistency(z[0], z[1])
+    if masked:
+        keep = lib.attendout.keep_reward(net, z[0].size(0))
+        loss = loss + lib.sar.consistency(z[0], z[-1]) + net.cfg.gnet_tau ** 2 * keep
+    return loss
+
+
 def sar_losses(lib=THIS):
-    """Section 6's losses from lib's sar.py: plain cross-entropy, SAR (shift 1, alpha 1), R-Drop (alpha 1)."""
+    """The losses of sections 5-6 from lib: plain cross-entropy, SAR (shift 1, alpha 1), R-Drop (alpha 1),
+    AttendOut (its masked pass; a base checkout from before issue 33: one pass under its budget)."""
     def ce(net, b):
-        return lib.sar.task_loss(net(b["input_ids"], b["attention_mask"], b["token_type_ids"]), b["labels"])
-    return {"plain CE": ce, "SAR (shift 1)": lambda net, b: lib.sar.sar_loss(net, b, 1.0, 1)[0],
-            "R-Drop": lambda net, b: lib.sar.rdrop_loss(net, b, 1.0)[0]}
+        return torch.nn.functional.cross_entropy(net(b["input_ids"], b["attention_mask"],
+                                                     b["token_type_ids"]).float(), b["labels"])
+    if not hasattr(lib.sar, "stacked_views"):           # the API before issue 33
+        return {"plain CE": ce, "SAR (shift 1)": lambda net, b: lib.sar.sar_loss(net, b, 1.0, 1)[0],
+                "R-Drop": lambda net, b: lib.sar.rdrop_loss(net, b, 1.0)[0], "AttendOut": ce}
+    return {"plain CE": ce, "SAR (shift 1)": lambda net, b: views_loss(lib, net, b, second=1),
+            "R-Drop": lambda net, b: views_loss(lib, net, b, second=0),
+            "AttendOut": lambda net, b: views_loss(lib, net, b, masked=True)}
 
 
 def step_fn(net, batch, loss_fn, device, lib=THIS):
@@ -603,18 +624,24 @@ def bench_hst(S, args):
 # Section 5: AttendOut vs standard dropout
 
 def bench_attendout(S, args):
+    """AttendOut's step (a clean and a masked pass, one stacked batch) against R-Drop's (two passes with
+    standard dropout) and a plain step; inference (the plain model) against standard dropout's."""
     B, n = S["minilm_batch"]
     dev = args.device
-    batch = random_batch(B, n, 30522, dev, seed=3)
+    batch = random_batch(B, n, 30522, dev, num_labels=2, seed=3)
     models, train = {}, {}
     for lib in args.libs:                                # ours, and with --base the base's, same backbone weights
+        losses = sar_losses(lib)
         for method in ("attendout", "standard"):
             seed_all()
-            cfg = minilm_config(lib, attn_dropout=method, num_layers=S["minilm_layers"])
+            cfg = minilm_config(lib, attn_dropout=method, num_layers=S["minilm_layers"], num_labels=2)
             models[method + lib.tag] = lib.model.Model(cfg).to(dev).train()
-            train[method + lib.tag] = step_fn(models[method + lib.tag], batch, ours_hidden_loss, dev, lib)
         models["attendout" + lib.tag].load_state_dict(models["standard" + lib.tag].state_dict(),
                                                       strict=False)   # + the G-Nets
+        std, ao = models["standard" + lib.tag], models["attendout" + lib.tag]
+        train["standard" + lib.tag] = step_fn(std, batch, losses["plain CE"], dev, lib)
+        train["R-Drop" + lib.tag] = step_fn(std, batch, losses["R-Drop"], dev, lib)
+        train["attendout" + lib.tag] = step_fn(ao, batch, losses["AttendOut"], dev, lib)
     t_train = time_alternately(train, args.rounds, args.warmup, dev, args.clock)
 
     def infer(m):
@@ -627,14 +654,17 @@ def bench_attendout(S, args):
     # a forward is ~5x shorter than a train step and as noisy in absolute terms: 4x the rounds
     t_inf = time_alternately({k: infer(m) for k, m in models.items()}, 4 * args.rounds, args.warmup, dev,
                              args.clock)
-    figs = [figure("AttendOut / standard train step", t_train["attendout"], t_train["standard"], need=1.15),
+    figs = [figure("AttendOut / R-Drop train step", t_train["attendout"], t_train["R-Drop"], need=1.15),
+            figure("AttendOut / standard train step", t_train["attendout"], t_train["standard"],
+                   expect="expect ~2: two passes"),
             figure("AttendOut / standard inference", t_inf["attendout"], t_inf["standard"], need=1.1)]
-    if args.base:                                        # the same figures of the base checkout, and after / before
-        figs += [figure("AttendOut / standard train step (base)", t_train["attendout (base)"],
-                        t_train["standard (base)"], need=1.15), *base_figures(t_train, ["attendout", "standard"])]
-    print(f"## 5. AttendOut vs standard attention dropout (MiniLM {S['minilm_layers']}x384, dense, {B} x {n})\n")
-    print(table(["dropout", "train ms/step", "inference ms/forward"],
-                [[k, ms(t_train[k]), ms(t_inf[k])] for k in models]))
+    if args.base:                                        # after / before
+        figs += base_figures(t_train, ["attendout", "standard", "R-Drop"])
+    print(f"## 5. AttendOut vs R-Drop and standard dropout (MiniLM {S['minilm_layers']}x384, dense, "
+          f"{B} x {n})\n")
+    print(table(["step", "train ms/step"], [[k, ms(v)] for k, v in t_train.items()]))
+    print()
+    print(table(["model", "inference ms/forward"], [[k, ms(v)] for k, v in t_inf.items()]))
     print("\n" + "\n".join(f["line"] for f in figs) + "\n")
     if args.profile:
         models["attendout"].train()
@@ -652,7 +682,8 @@ def bench_sar(S, args):
     for lib in args.libs:
         seed_all()
         net = lib.model.Model(long_config("sparse", n + 64, lib, num_labels=2)).to(dev).train()   # + 64: the shift
-        fns.update({k + lib.tag: step_fn(net, batch, loss, dev, lib) for k, loss in sar_losses(lib).items()})
+        fns.update({k + lib.tag: step_fn(net, batch, loss, dev, lib) for k, loss in sar_losses(lib).items()
+                    if k != "AttendOut"})
     t = time_alternately(fns, args.rounds, args.warmup, dev, args.clock)
     figs = [figure("SAR / plain step", t["SAR (shift 1)"], t["plain CE"], expect="expect ~2: two views"),
             figure("R-Drop / plain step", t["R-Drop"], t["plain CE"], expect="expect ~2: two passes"),

@@ -412,10 +412,14 @@ PRE_COMMON = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--max-len
 SUBSAMPLE, SUBSAMPLE_SEED = 1000, 0     # lowres: the first 1,000 lines of the training file after a fixed shuffle
 PRE_SETTINGS = {"lowres": (SUBSAMPLE, 3), "full": (None, 1)}    # setting -> (training examples or None: all, epochs)
 DEFAULT_DATASETS = ["sst2", "mr"]
+GNET_LR = "1e-5"            # the G-Nets' own lr in the attendout rows: at --lr 1e-4 their masks collapse in ~5 steps
 ATTENDOUT_ROWS = {          # the baseline first; "scheduled" replays the attendout run of its set, setting and seed
     "standard": ["--attn-dropout", "standard"],
     "none": ["--attn-dropout", "none"],
-    "attendout": ["--attn-dropout", "attendout"],
+    "rdrop": ["--attn-dropout", "standard", "--rdrop", "1.0"],
+    "attendout": ["--attn-dropout", "attendout", "--gnet-shape", "shared", "--gnet-lr", GNET_LR],
+    "attendout_per_head": ["--attn-dropout", "attendout", "--gnet-shape", "per-head", "--gnet-lr", GNET_LR],
+    "attendout_gnet_lr_1e-4": ["--attn-dropout", "attendout", "--gnet-shape", "shared", "--gnet-lr", "1e-4"],
     "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],
     "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
     "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
@@ -513,6 +517,11 @@ def pretrained_sparse(a):
     write_table(a, "results_pretrained_sparse" + settings_suffix(a), table, note, raw)
 
 
+def dev_acc(final):
+    """The dev accuracy in a final.json: flat ("acc" at the top, since issue 34) or nested (dev -> dev -> acc)."""
+    return final["acc"] if "acc" in final else final["dev"]["dev"]["acc"]
+
+
 def pretrained_attendout(a):
     """Each attention-dropout row's dev accuracy and paired difference to standard dropout; attendout - scheduled
     (what AttendOut's choice of pairs adds beyond its per-layer rates, which scheduled replays); the figure of
@@ -522,7 +531,7 @@ def pretrained_attendout(a):
         return
     raw, rows = collections.defaultdict(dict), []
     for (ds, setting, name), fs in finals.items():
-        acc = raw[f"{ds}-{setting}"][name] = [f["dev"]["dev"]["acc"] for f in fs]
+        acc = raw[f"{ds}-{setting}"][name] = [dev_acc(f) for f in fs]
         rows.append(f"| {ds} | {setting} | {name} | {fmt(acc)} | {fmt_diff(raw[f'{ds}-{setting}']['standard'], acc)} "
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) "
