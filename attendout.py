@@ -1,12 +1,13 @@
 """
-attendout.py: the attention-dropout methods of attnreg (methods.md §3): AttendOut, then the baselines
-standard, none and scheduled.
+attendout.py: the attention-dropout methods of attnreg (methods.md §3): AttendOut, then the
+baselines standard, none and scheduled.
 
-The idea (AttendOut, Wu et al. 2021): a small network per layer, the G-Net, reads the layer's input and
-decides which (query, key) pairs of that layer's attention to mask. It is trained against the model: the
-model wants the same answer with and without the mask, the G-Net wants to change that answer, and a reward
-for every pair it keeps stops it from masking everything. We follow the form the first author published
-in code (gingasan/adversarialSA, "Adversarial Self-Attention", Wu et al. 2023), methods.md §3.1.
+The idea (AttendOut, Wu et al. 2021): a small network per layer, the G-Net, reads the layer's input
+and decides which (query, key) pairs of that layer's attention to mask. It is trained against the
+model: the model wants the same answer with and without the mask, the G-Net wants to change that
+answer, and a reward for every pair it keeps stops it from masking everything. We follow the form
+the first author published in code (gingasan/adversarialSA, "Adversarial Self-Attention", Wu et al.
+2023), methods.md §3.1.
 
 Where things are:
     GNet          the G-Net: two projections of the detached layer input, scores G = a c^T
@@ -38,8 +39,8 @@ METHODS = {
 # The G-Net's submodule name: export_without_gnet drops every key with this component.
 GNET = "gnet"
 
-# A masked pair's logit is lowered by this much: it leaves the softmax and its row renormalises over the
-# pairs kept (the author's -10000 on the attention logits).
+# A masked pair's logit is lowered by this much: it leaves the softmax and its row renormalises
+# over the pairs kept (the author's -10000 on the attention logits).
 MASKED = 10000.0
 
 # The G-Net's projections start as BERT's linear layers do (normal, std 0.02).
@@ -52,15 +53,15 @@ GNET_SEED = 1_000_033
 # -----------------------------------------------------------------------------
 # AttendOut (methods.md §3.1)
 #
-# The G-Net of layer l reads the layer's input X (detached: the G-Net cannot shape the backbone through its
-# own input) and scores every (query, key) pair with its own query-key product:
-#     a = (X W_a + b_a) / sqrt(e),   c = X W_c + b_c,   G = a c^T                    [B, heads, L, L]
+# The G-Net of layer l reads the layer's input X (detached: the G-Net cannot shape the backbone
+# through its own input) and scores every (query, key) pair with its own query-key product:
+#     a = (X W_a + b_a) / sqrt(e),   c = X W_c + b_c,   G = a c^T          G: [B, heads, L, L]
 # "shared" (the author's): one score per pair for all heads, W_a, W_c of size d x d (e = d).
 # "per-head" (the digest's wording): one score per pair and head, e = gnet_dim per head.
 
 class GNet(nn.Module):
-    """The G-Net of one layer: fused projections [W_a | W_c], plain Parameters (not nn.Linear), so that
-    the model-wide init of nn.Linear leaves the G-Net's own seeded init alone."""
+    """The G-Net of one layer: fused projections [W_a | W_c], plain Parameters (not nn.Linear), so
+    that the model-wide init of nn.Linear leaves the G-Net's own seeded init alone."""
 
     def __init__(self, hidden_size, heads, dim, seed=0):
         super().__init__()
@@ -69,14 +70,15 @@ class GNet(nn.Module):
         self.weight = nn.Parameter(torch.empty(2 * heads * dim, hidden_size))   # [W_a | W_c]
         self.bias = nn.Parameter(torch.zeros(2 * heads * dim))
         # Its own generator: the global random stream is left alone, so at one seed every
-        # --attn-dropout method starts from the same backbone and head weights (paired runs, §3.4).
+        # --attn-dropout method starts from the same backbone and head weights (paired runs,
+        # methods.md §3.4).
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, generator=g) * GNET_INIT_STD)
 
     def features(self, x):
-        """x [B, L, d] -> (a, c), each [B, heads, L, e], with a_i . c_j = G_ij. Each kernel computes
-        the pair scores G from them in its own layout (pair_scores(a, c))."""
+        """x [B, L, d] -> (a, c), each [B, heads, L, e], with a_i . c_j = G_ij. Each kernel
+        computes the pair scores G from them in its own layout (pair_scores(a, c))."""
         B, L, _ = x.shape
         g = F.linear(x.detach(), self.weight, self.bias)                 # [B, L, 2 heads e]
         g = g.view(B, L, 2, self.heads, self.dim)
@@ -86,10 +88,10 @@ class GNet(nn.Module):
 
 # The mask, in the author's form: hard in the forward, straight-through in the backward, reversed.
 #     forward:   M = [G > 0]                          keep (1) or mask (0) each pair
-#     backward:  dL/dG = -(dL/dM) sigmoid'(G)          the gradient of sigmoid(G), with its sign flipped
-# The flipped sign is a gradient-reversal layer: the G-Net climbs the loss that the model descends, so it
-# learns to mask the pairs whose loss hurts most, and to keep pairs for the keep reward. (The author's code
-# adds Gumbel noise g and subtracts it again, x + g - g: the mask has no noise.)
+#     backward:  dL/dG = -(dL/dM) sigmoid'(G)          sigmoid(G)'s gradient, its sign flipped
+# The flipped sign is a gradient-reversal layer: the G-Net climbs the loss that the model descends,
+# so it learns to mask the pairs whose loss hurts most, and to keep pairs for the keep reward. (The
+# author's code adds Gumbel noise g and subtracts it again, x + g - g: the mask has no noise.)
 
 class KeepMask(torch.autograd.Function):
     """M = [G > 0], with the reversed straight-through gradient -sigmoid'(G) (methods.md §3.1)."""
@@ -106,45 +108,73 @@ class KeepMask(torch.autograd.Function):
         return (-grad * s * (1 - s)).to(G.dtype)     # reversed: the G-Net ascends the loss
 
 
+# One layer's AttendOut (methods.md §3.1). The model calls hook(x) only in the masked pass of a
+# training forward (the last of the stacked views); every other forward (the clean pass,
+# evaluation) is the plain model. The hook returns mask_fn, the function a kernel applies to its
+# logits S:
+#     S' = S - 10000 (1 - M),   M = KeepMask(G)
+# in the kernel's own layout (the dense [B, H, L, L], or the block-sparse layout of sparse.py),
+# with G computed there by pair_scores(a, c). It also counts, for the keep reward and the step
+# line, the real pairs kept. A forward may call mask_fn several times (the pieces of a sparse
+# layout, HST's two stages): the counts add up over the calls, and begin_forward clears them for
+# the next forward.
+
 class AttendOut(nn.Module):
-    """AttendOut for one layer (methods.md §3.1). The model calls hook(x) only for the masked pass of a
-    training forward; every other forward (the clean pass, evaluation) is the plain model."""
+    """AttendOut for one layer: its G-Net, and the counts of its last masked pass."""
 
     def __init__(self, cfg, layer_idx=0):
         super().__init__()
+        # the G-Net's shape: one score per pair for all heads (d -> d), or one per pair and head
         if cfg.gnet_shape == "shared":
-            heads, dim = 1, cfg.hidden_size
+            heads = 1
+            dim = cfg.hidden_size
         elif cfg.gnet_shape == "per-head":
-            heads, dim = cfg.num_heads, cfg.gnet_dim
+            heads = cfg.num_heads
+            dim = cfg.gnet_dim
         else:
             raise ValueError(f"gnet_shape {cfg.gnet_shape!r}: choose shared or per-head")
-        seed = (torch.initial_seed() + GNET_SEED * (layer_idx + 1)) % 2 ** 63   # per layer
-        self.gnet = GNet(cfg.hidden_size, heads, dim, seed)                      # GNET
-        self.p = 0.0          # no Bernoulli dropout in either pass (the author's RoBERTa code)
-        self.kept = None      # differentiable: pairs kept in the last masked pass, summed
-        self.stats = None     # [pairs kept, real pairs], summed over the kernel calls of a forward
+        # the run's seed, per layer (methods.md §3.4)
+        seed = (torch.initial_seed() + GNET_SEED * (layer_idx + 1)) % 2 ** 63
+        self.gnet = GNet(cfg.hidden_size, heads, dim, seed)
+        # no Bernoulli dropout in either pass (the author's RoBERTa code)
+        self.p = 0.0
+        # differentiable: the pairs kept in this forward's masked pass, summed over kernel calls
+        self.kept = None
+        # [pairs kept, real pairs] of the same, without gradient: the masking rate
+        self.stats = None
 
     def rate(self, step_frac=0.0):
         return 0.0
 
     def hook(self, x):
-        """x [B, L, d]: the layer input of the masked pass. Returns mask_fn(S, valid, pair_scores) -> S',
-        the kernels' contract: S the attention logits in the kernel's layout, valid (bool, broadcastable
-        to S) the real (query, key) pairs, pair_scores(a, c) G in S's layout (heads 1 or H)."""
-        a, c = self.gnet.features(x)                     # once per forward, [B, heads, L, e]
+        """x [B, L, d]: the layer input of the masked pass. Returns mask_fn(S, valid, pair_scores)
+        -> S', the kernels' contract: S the attention logits in the kernel's layout, valid (bool,
+        broadcastable to S) the real (query, key) pairs, pair_scores(a, c) G in S's layout."""
+        # the G-Net's features, once per forward: [B, heads, L, e] each
+        a, c = self.gnet.features(x)
 
         def mask_fn(S, valid, pair_scores):
-            G = pair_scores(a, c).float()                # [B, heads, ...] in S's layout
-            M = KeepMask.apply(G)                        # 1 keep, 0 mask
+            # the scores and the mask in S's layout: [B, heads, ...], heads 1 (shared) or H
+            G = pair_scores(a, c).float()
+            M = KeepMask.apply(G)
+            # count each pair once per head of the mask: a shared mask's pairs are the same in
+            # every head of S (the layouts are too, without random blocks)
             if valid.dim() == M.dim() and valid.shape[1] > M.shape[1]:
-                valid = valid[:, : M.shape[1]]           # a shared mask: count each pair once
+                valid = valid[:, : M.shape[1]]
             valid = valid.expand_as(M)
-            kept = (M * valid).sum() / M.shape[1]        # per head, so both shapes count alike
+            # the real pairs kept, averaged over the mask's heads so both shapes count alike
+            heads = M.shape[1]
+            kept = (M * valid).sum() / heads
             with torch.no_grad():
-                new = torch.stack([kept.detach(), valid.sum() / M.shape[1]])
-            self.kept = kept if self.kept is None else self.kept + kept
-            self.stats = new if self.stats is None else self.stats + new
-            return S + ((M - 1) * MASKED).to(S.dtype)    # S' = S - 10000 (1 - M)
+                counts = torch.stack([kept.detach(), valid.sum() / heads])
+            if self.kept is None:
+                self.kept = kept
+                self.stats = counts
+            else:
+                self.kept = self.kept + kept
+                self.stats = self.stats + counts
+            # S' = S - 10000 (1 - M): a masked pair leaves the softmax
+            return S + ((M - 1) * MASKED).to(S.dtype)
 
         return mask_fn
 
@@ -158,22 +188,25 @@ class AttendOut(nn.Module):
         return f"heads={self.gnet.heads}, dim={self.gnet.dim}"
 
 
+# The model's AttendOut layers, and the start of every training forward.
+
 def attendout_modules(model):
     """The AttendOut modules of a model, in layer order."""
     return [m for m in model.modules() if isinstance(m, AttendOut)]
 
 
 def begin_forward(model):
-    """The model calls it at the start of every training forward: each layer's counts start afresh, so
-    they describe exactly one forward (all its kernel calls: layout pieces, HST's two stages)."""
+    """The model calls it at the start of every training forward: each layer's counts start afresh,
+    so they describe exactly one forward (all its kernel calls: layout pieces, HST's two stages).
+    """
     for m in attendout_modules(model):
         m.kept = None
         m.stats = None
 
 
-# The keep reward (methods.md §3.1): the loss gains tau^2 x (pairs kept per example, summed over layers).
-# The model cannot change it; through the reversed mask the G-Net climbs it, so every kept pair pays it
-# tau^2. Without it the G-Net's best move would be to mask everything.
+# The keep reward (methods.md §3.1): the loss gains tau^2 x (pairs kept per example, summed over
+# layers). The model cannot change it; through the reversed mask the G-Net climbs it, so every kept
+# pair pays it tau^2. Without it the G-Net's best move would be to mask everything.
 
 def keep_reward(model, batch_size):
     """sum_l (pairs kept in layer l) / batch_size: differentiable, reaches the G-Nets only."""
@@ -193,6 +226,11 @@ def export_without_gnet(state_dict):
     return type(state_dict)((k, v) for k, v in state_dict.items() if GNET not in k.split("."))
 
 
+# What a student sees: every --log-every steps (and at the last step) one JSON line per step in
+# OUT/droprates.jsonl with each layer's masking rate, the same numbers the step line shows. A plot
+# of them is the learned per-layer pattern; scheduled dropout (§3.2) replays them as Bernoulli
+# rates.
+
 class DropRateLogger:
     """Every log_interval steps a JSON line to OUT/droprates.jsonl:
         {"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m}
@@ -201,14 +239,16 @@ class DropRateLogger:
     def __init__(self, path, log_interval, append=False):
         self.path = path
         self.log_interval = max(int(log_interval), 1)
-        if not append:                                  # a resumed run keeps its earlier lines
+        # a fresh run starts the file afresh; a resumed run keeps its earlier lines
+        if not append:
             open(self.path, "w").close()
 
     def log(self, step, step_frac, rates, last=False):
-        """rates: one float per layer; last: the final step, always written (a replay then ends at the
-        run's final rates). Returns True if a line was written."""
+        """rates: one float per layer; last: the final step, always written (a replay then ends at
+        the run's final rates). Returns True if a line was written."""
         if step % self.log_interval and not last:
             return False
+        # the mean over the layers that ran (LayerDrop may skip some: nan)
         ran = [float(r) for r in rates if not math.isnan(r)]
         rec = {
             "step": int(step),
@@ -222,7 +262,12 @@ class DropRateLogger:
 
 
 # -----------------------------------------------------------------------------
-# standard and none (methods.md §3.3): Bernoulli dropout on the attention probabilities at a fixed rate
+# standard and none (methods.md §3.3): Bernoulli dropout on the attention probabilities at a fixed
+# rate
+
+# A layer asks rate(step_frac) for the Bernoulli rate its kernel drops the attention probabilities
+# A with, in training: A' = A k / (1 - p), k ~ Bernoulli(1 - p) per pair (torch's inverted
+# dropout).
 
 class AttnDropout(nn.Module):
     """Plain Bernoulli dropout on the attention probabilities at rate p; p = 0 is 'none'.
@@ -241,7 +286,11 @@ class AttnDropout(nn.Module):
 
 # -----------------------------------------------------------------------------
 # scheduled dropout (methods.md §3.2): Bernoulli dropout at a rate p_l(t) per layer l and training
-# fraction t, read from an AttendOut run's droprates.jsonl (its masking rates, replayed) or linear in depth.
+# fraction t, read from an AttendOut run's droprates.jsonl (its masking rates, replayed) or linear
+# in depth.
+
+# A parametric schedule, linear in depth and constant in time:
+#     p_l = p_low + (p_high - p_low) l / (L - 1),   l = 0 .. L-1
 
 def linear_schedule(spec, num_layers):
     """'linear:P_LOW:P_HIGH' -> one rate per layer, p_l = p_low + (p_high - p_low) l / (L - 1)."""
@@ -258,10 +307,15 @@ def linear_schedule(spec, num_layers):
     return [p_low + (p_high - p_low) * l / steps for l in range(num_layers)]
 
 
+# A replayed schedule: an AttendOut run's droprates.jsonl, one point (t, [p_1 .. p_L]) per line, t
+# the fraction of training done, so a run of another length can replay it. A line that cannot be
+# read is one error naming the file and the line.
+
 def read_droprates(path, num_layers):
     """A DropRateLogger file -> (fracs [T] increasing, rates [T][L]). A line without step_frac is
     placed at step / (the last step logged)."""
-    points = []                                          # (step_frac or None, step, rates)
+    # (step_frac or None, step, rates) per line
+    points = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -271,18 +325,24 @@ def read_droprates(path, num_layers):
                 rates = [float(r) for r in rec["drop_rate"]]
                 points.append((rec.get("step_frac"), float(rec.get("step", 0)), rates))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}, line {lineno}: cannot read drop rates ({e!r}); expected "
-                                 '{"step": S, "step_frac": F, "drop_rate": [p_1, ..., p_L]}') from None
+                expected = '{"step": S, "step_frac": F, "drop_rate": [p_1, ..., p_L]}'
+                raise ValueError(f"{path}, line {lineno}: cannot read drop rates ({e!r}); "
+                                 f"expected {expected}") from None
             if len(rates) != num_layers:
                 raise ValueError(f"{path}, line {lineno}: {len(rates)} drop rates, "
                                  f"the model has {num_layers} layers")
     if not points:
         raise ValueError(f"{path}: no drop-rate lines")
+    # a line without step_frac is placed at step / (the last step logged)
     last = max(step for _, step, _ in points) or 1.0
     points = [(step / last if frac is None else float(frac), r) for frac, step, r in points]
-    points.sort(key=lambda p: p[0])                      # stable: equal fractions keep the file's order
+    # a stable sort: equal fractions keep the file's order
+    points.sort(key=lambda p: p[0])
     return [t for t, _ in points], [r for _, r in points]
 
+
+# Between the points the rate is interpolated linearly, outside them held constant:
+#     p_l(t) = p_l(t_k) + (t - t_k) / (t_k+1 - t_k) (p_l(t_k+1) - p_l(t_k)),   t_k <= t < t_k+1
 
 class ScheduledDropout(AttnDropout):
     """Bernoulli dropout at p_l(t), t = step_frac in [0, 1]: linear between the points, constant
@@ -297,6 +357,8 @@ class ScheduledDropout(AttnDropout):
         return float(np.interp(step_frac, self.fracs, self.rates))
 
 
+# One layer's scheduled dropout, from --schedule: linear:P_LOW:P_HIGH, or a droprates.jsonl.
+
 def make_scheduled(schedule, num_layers, layer_idx):
     if not schedule:
         raise ValueError("attn_dropout 'scheduled' needs --schedule FILE or "
@@ -306,6 +368,11 @@ def make_scheduled(schedule, num_layers, layer_idx):
     fracs, rates = read_droprates(schedule, num_layers)  # an AttendOut run's droprates.jsonl
     return ScheduledDropout(fracs, [r[layer_idx] for r in rates])
 
+
+# -----------------------------------------------------------------------------
+# The one switch: each layer's model.Attention builds its attention-dropout module here, by
+# cfg.attn_dropout (--attn-dropout). A new method is a class above, a line here and an entry of
+# METHODS.
 
 def make_attn_dropout(cfg, layer_idx):
     """Layer layer_idx's attention-dropout module for cfg.attn_dropout (one of METHODS)."""
