@@ -21,6 +21,7 @@ import torch
 
 import data
 import train
+from readers import lra, qa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -303,7 +304,7 @@ def write_squad(path, qas, context="The cat sat on the mat.  "):
 def test_squad_answers_are_checked_against_their_context(tmp_path):
     """An answer must be its context's text at an integer answer_start; a question without answers is an
     error unless SQuAD 2.0 marks it impossible (then it is skipped and reported with its line)."""
-    tok = data.load_tokenizer(make_hf_folder(tmp_path / "tok"))
+    tok = data.tokenizer_from_path(make_hf_folder(tmp_path / "tok"))
     q = {"id": "q1", "question": "where?", "answers": [{"text": "the mat", "answer_start": 15}]}
     cases = {"wrong_text": ([{**q, "answers": [{"text": "the hat", "answer_start": 15}]}], "does not match"),
              "fractional": ([{**q, "answers": [{"text": "the mat", "answer_start": 15.5}]}], "not an integer"),
@@ -316,13 +317,13 @@ def test_squad_answers_are_checked_against_their_context(tmp_path):
         write_squad(d / "train.json", qas)
         write_squad(d / "dev.json", [q])
         with pytest.raises(data.DataError, match=what) as e:
-            data.load_task("squad", str(d), tok, max_len=64)
+            qa.load_task("squad", str(d), tok, max_len=64)
         assert os.path.join(name, "train.json") in str(e.value)
     v2 = tmp_path / "v2"
     v2.mkdir()
     write_squad(v2 / "train.json", [q, {"id": "q2", "question": "why?", "answers": [], "is_impossible": True}])
     write_squad(v2 / "dev.json", [q])
-    task = data.load_task("squad", str(v2), tok, max_len=64)
+    task = qa.load_task("squad", str(v2), tok, max_len=64)
     line = [s.strip() for s in (v2 / "train.json").read_text().split("\n")].index('"id": "q2",') + 1   # q2's line
     assert task.skipped == [f"{v2 / 'train.json'}:{line}"]
 
@@ -353,7 +354,7 @@ def test_lra_text_keeps_4000_bytes_at_the_default(tmp_path):
             os.makedirs(tmp_path / split / label)
             (tmp_path / split / label / "0_1.txt").write_text("ab" * 2500)                  # 5,000 bytes
     max_len = data.TASKS["lra-text"].max_len
-    task = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=max_len)
+    task = lra.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=max_len)
     ids = task.train[0].ids
     assert len(ids) == 4001 and ids[0] == data.ByteTokenizer().cls_id                    # [cls] on top
     assert data.ByteTokenizer().decode(ids) == ("ab" * 2500)[:4000]
