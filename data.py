@@ -93,7 +93,12 @@ def _column(header, col, path):
     return header.index(col) if isinstance(col, str) else col
 
 # A JSONL file: each line one JSON object (a column by key, or by index in key order) or one JSON
-# list (a column by index). Every value is read as text, a label too, as a TSV label is ("1").
+# list (a column by index). Labels become classes by their text, so 1, 1.0, "1" and true in one
+# file would silently be four classes, and a null, an object or a list is no label at all: a label
+# must be a scalar, and a file's labels all of one type (true and 1 differ, though Python's bool is
+# an int). Either is an error naming file and line; a good label is then read as text ("1").
+JSON_LABEL_TYPES = {str: "a string", int: "an integer", float: "a decimal number",
+                    bool: "true / false"}
 
 def _json_value(obj, col, where):
     # a line that is neither an object nor a list has no columns at all
@@ -112,6 +117,7 @@ def _json_value(obj, col, where):
 
 def read_jsonl(path, cols):
     records = []
+    first = None                                    # (line, label) that fixes the label type
     for line, s in enumerate(io.StringIO(read_text(path), newline=None), 1):
         if not s.strip():
             continue
@@ -121,6 +127,19 @@ def read_jsonl(path, cols):
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg})") from None
         got = [None if c is None else _json_value(obj, c, where) for c in cols]
+        label = got[2]
+        shown = json.dumps(label)[:40]
+        if type(label) not in JSON_LABEL_TYPES:
+            raise DataError(f"{where}: label {shown} is not a label (a label is a string, a "
+                            "number or true / false)")
+        if first is None:
+            first = (line, label)
+        elif type(label) is not type(first[1]):
+            kind = JSON_LABEL_TYPES[type(label)]
+            first_kind = JSON_LABEL_TYPES[type(first[1])]
+            raise DataError(f"{where}: label {shown} is {kind}, but line {first[0]}'s label "
+                            f"{json.dumps(first[1])[:40]} is {first_kind}; a file's labels are "
+                            "all of one type")
         texts = [None if c is None else str(v) for c, v in zip(cols, got)]
         records.append((where, *texts))
     if not records:

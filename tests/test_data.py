@@ -336,6 +336,39 @@ def test_generic_tsv_csv_jsonl(tmp_path, bert_tok):
         data.load_generic(str(tmp_path / "e.jsonl"), bert_tok, text_col="t", label_col="y")
 
 
+# JSONL labels: one scalar type per file. (bad label, what the error says about it); line 1's label is 1.
+BAD_JSONL_LABELS = [
+    (None, "label null is not a label"),
+    ({"a": 1}, 'label {"a": 1} is not a label'),
+    ([1], "label [1] is not a label"),
+    ("1", 'label "1" is a string, but line 1\'s label 1 is an integer'),
+    (1.0, "label 1.0 is a decimal number, but line 1\'s label 1 is an integer"),
+    (True, "label true is true / false, but line 1\'s label 1 is an integer"),
+]
+
+
+@pytest.mark.parametrize("bad, what", BAD_JSONL_LABELS, ids=["null", "object", "list", "string", "float", "bool"])
+def test_jsonl_labels_are_one_scalar_type_per_file(tmp_path, bad, what):
+    """A null, object or list label, or labels of mixed types (1, 1.0, "1", true: bool and int differ), would
+    become extra classes: one DataError naming the file and the line."""
+    path = tmp_path / "train.jsonl"
+    lines = [{"text": "a cat", "label": 1}, {"text": "a dog", "label": 0}, {"text": "a mat", "label": bad}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(DataError) as err:
+        data.read_generic(str(path), ("text", None, "label"))
+    assert str(err.value).startswith(f"{path}:3: {what}"), str(err.value)
+
+
+def test_jsonl_labels_of_one_type_are_read_as_text(tmp_path):
+    """Every scalar type is a label type, as long as the file keeps to it (true and false; 0.5 and 1.0)."""
+    for labels, texts in [([True, False], ["True", "False"]), ([0.5, 1.0], ["0.5", "1.0"]),
+                          (["x", "y"], ["x", "y"]), ([3, -1], ["3", "-1"])]:
+        path = tmp_path / "train.jsonl"
+        path.write_text("".join(json.dumps({"t": "a cat", "y": y}) + "\n" for y in labels))
+        records, _ = data.read_generic(str(path), ("t", None, "y"))
+        assert [r[3] for r in records] == texts
+
+
 def test_tsv_without_columns_names_the_flags_and_the_file(tmp_path):
     """--task tsv without --text-col / --label-col: one DataError naming both flags and the file (it was a
     TypeError traceback, from the reader that collects the texts a from-scratch tokenizer trains on)."""

@@ -268,14 +268,19 @@ def test_broken_checkpoints_and_tokenizers_are_named(finished_run, tmp_path):
 # data is what the file says
 
 def test_labelled_files_are_read_as_written(tmp_path):
-    """A JSONL line that is not an object names its line; a file that is not UTF-8 names file and line; a
-    column beyond the line says which and how many."""
+    """A JSONL line that is not an object names its line; a JSONL label that is null, an object or of another
+    type than line 1's (1, 1.0, "1", true) names file and line; a file that is not UTF-8 names file and line;
+    a column beyond the line says which and how many."""
     good = [json.dumps({"text": f"a cat number {i}", "label": i % 2}) for i in range(8)]
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "train.jsonl").write_text("\n".join(good + ['"a bare string"']) + "\n")
-    (bare / "dev.jsonl").write_text("\n".join(good) + "\n")
-    argvs = [["--task", "tsv", "--data", bare, "--text-col", "text", "--label-col", "label"]]
+    argvs = []
+    jsonl = {"bare": '"a bare string"', "null": '{"text": "a dog", "label": null}',
+             "object": '{"text": "a dog", "label": {"y": 1}}', "string": '{"text": "a dog", "label": "1"}',
+             "float": '{"text": "a dog", "label": 1.0}', "bool": '{"text": "a dog", "label": true}'}
+    for name, line in jsonl.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text("\n".join(good + [line]) + "\n")
+        (tmp_path / name / "dev.jsonl").write_text("\n".join(good) + "\n")
+        argvs.append(["--task", "tsv", "--data", tmp_path / name, "--text-col", "text", "--label-col", "label"])
     latin = tmp_path / "latin"
     latin.mkdir()
     (latin / "train.tsv").write_bytes(b"label\ttext\n1\ta cat\n0\tun caf\xe9\n")
@@ -289,11 +294,16 @@ def test_labelled_files_are_read_as_written(tmp_path):
     argvs.append(["--task", "tsv", "--data", cols, "--text-col", "-1", "--label-col", "0"])
     argvs.append(["--task", "tsv", "--data", cols])                                   # no columns given
     results = run_cli("train.py", [a + ["--out", tmp_path / "out", *TINY] for a in argvs])
-    one_error(results[0], "train.jsonl:9")
-    one_error(results[1], "train.tsv:3", "not UTF-8")
-    one_error(results[2], "train.tsv:1", "--label-col asks for column 5", "has 2 columns")
-    one_error(results[3], "--text-col -1")
-    one_error(results[4], "train.tsv", "--text-col and --label-col")
+    one_error(results[0], "bare/train.jsonl:9")
+    one_error(results[1], "null/train.jsonl:9", "label null is not a label")
+    one_error(results[2], "object/train.jsonl:9", 'label {"y": 1} is not a label')
+    one_error(results[3], "string/train.jsonl:9", 'label "1" is a string', "line 1's label 0 is an integer")
+    one_error(results[4], "float/train.jsonl:9", "label 1.0 is a decimal number", "line 1's")
+    one_error(results[5], "bool/train.jsonl:9", "label true is true / false", "line 1's")
+    one_error(results[6], "train.tsv:3", "not UTF-8")
+    one_error(results[7], "train.tsv:1", "--label-col asks for column 5", "has 2 columns")
+    one_error(results[8], "--text-col -1")
+    one_error(results[9], "train.tsv", "--text-col and --label-col")
 
 
 def write_squad(path, qas, context="The cat sat on the mat.  "):
