@@ -14,19 +14,21 @@ Read it top to bottom, in the order the data flows:
   4. batches     Examples -> padded tensors, in an order fixed by (seed, epoch)
   5. metrics     GLUE's official metrics, by hand in numpy
   6. ListOps     LRA's generator of ListOps expressions
-  7. plumbing    DataError and the one-line `error:`, the command line
+  7. plumbing    DataError and the one-line `error:`, the lock on --out, the command line
 Bad input raises a DataError that names the file and line, or the flag: one `error:` line, exit 2.
 
 Run: python data.py listops data/listops    # LRA's ListOps: 96,000 / 2,000 / 2,000, 500-2,000 long
 """
 import argparse
 import csv
+import fcntl
 import hashlib
 import io
 import json
 import os
 import random
 import sys
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -968,7 +970,7 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
     return paths
 
 # -----------------------------------------------------------------------------
-# 7. Plumbing: one-line errors, the command line
+# 7. Plumbing: one-line errors, the lock on --out, the command line
 #
 # A bad flag, file or checkpoint ends a run with one line that names it, not a traceback. Readers
 # raise DataError("FILE:LINE: what is wrong"); every entry point runs inside one_line_errors, which
@@ -1007,6 +1009,35 @@ def one_line_errors(interrupted="interrupted"):
             fail(f"missing field {e.args[0]!r} (a config or checkpoint from elsewhere?)")
         text = str(e).strip()
         fail(text.splitlines()[0] if text else type(e).__name__)
+
+# One run writes a --out folder at a time. A second run there (another terminal, or --resume or
+# --overwrite while the first still runs) would mix two runs' checkpoints and logs, so train.py
+# takes this lock before it removes or writes anything in --out and keeps the file open for the
+# run's life. flock is the kernel's lock and dies with its process: a run killed by SIGKILL leaves
+# only the file OUT/.lock, whose line is the pid of the last holder. Runs in one process follow one
+# another (tests call train.main many times; an old run's handle may live on in a traceback), so a
+# new lock first lets go of this process's earlier one on the same folder.
+_LOCKS = weakref.WeakValueDictionary()              # OUT/.lock -> this process's open file
+
+def lock_out(folder):
+    path = os.path.realpath(os.path.join(folder, ".lock"))
+    earlier = _LOCKS.pop(path, None)
+    if earlier is not None:
+        earlier.close()
+    f = open(path, "a+")                            # a+: not emptied before the lock is ours
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise DataError(f"--out {folder}: another run is using it (pid {pid}); wait for it or "
+                        "choose another --out") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS[path] = f
+    return f
 
 # python data.py listops OUT_DIR [--train N ...]: counts are checked before minutes of generating.
 def main(argv=None):

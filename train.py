@@ -427,10 +427,11 @@ def setup(args):
     r.optimizer = make_optimizer(r.raw, args, r.device)
     r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0, "dev": {},
                "saved_step": None}               # micro: the epoch's batches used; saved_step: in ckpt_last.pt
+    os.makedirs(args.out, exist_ok=True)
+    r.lock = data.lock_out(args.out) if is_main() else None   # one run at a time in --out (OUT/.lock)
     for path in r.paths.values() if is_main() and not args.resume else ():
         if os.path.exists(path):                         # the old run's files go only now, once all is ready
             os.remove(path)
-    os.makedirs(args.out, exist_ok=True)
     for f in os.listdir(args.out) if is_main() else ():  # a save killed mid-write leaves its temporary file
         if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
             os.remove(os.path.join(args.out, f))

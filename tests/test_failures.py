@@ -7,7 +7,9 @@ they run in one process (run_cli: the script run as __main__ once per argv, exac
 would run it); signals, locks and resource limits need processes of their own.
 Run: python -m pytest tests/test_failures.py -q
 """
+import contextlib
 import hashlib
+import io
 import json
 import os
 import resource
@@ -59,6 +61,18 @@ def run_cli(script, argvs):
             lines.append(line)
     assert len(out) == len(argvs), p.stderr[-3000:]
     return out
+
+
+def run_main(argv):
+    """train.main in-process -> (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main([str(a) for a in argv])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
 
 
 def one_error(result, *names):
@@ -210,6 +224,53 @@ def test_sigterm_saves_and_exits_143(listops_dir, tmp_path):
         stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 143 and "Traceback" not in stderr, stderr
     assert "stopped at step" in stdout and (out / "ckpt_last.pt").exists()
+
+
+# -----------------------------------------------------------------------------
+# one run at a time in a --out folder
+
+LOCK_HOLDER = "import sys, time, data; f = data.lock_out(sys.argv[1]); print('locked', flush=True); time.sleep(600)"
+
+
+def hold_lock(folder):
+    """A process that holds FOLDER's lock (data.lock_out, as train.py takes it) until it is killed."""
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "locked", p.communicate()
+    return p
+
+
+def test_a_busy_out_is_refused_by_name_and_a_killed_run_leaves_no_lock(listops_dir, tmp_path):
+    """While a run writes --out, a second run there is refused in one line naming the folder and the first run's
+    pid: with --resume, with --overwrite, and a new run into a folder whose run has not written a file yet. A run
+    killed by SIGKILL leaves OUT/.lock behind but no lock: the next run proceeds."""
+    out, fresh = tmp_path / "busy", tmp_path / "fresh"
+    first = subprocess.Popen([sys.executable, "train.py", *listops_args(listops_dir, out, steps=100000)], cwd=ROOT,
+                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fresh.mkdir()
+    holder = hold_lock(fresh)                            # a run that holds its --out before writing anything
+    try:
+        deadline = time.time() + 120
+        while not (out / "ckpt_last.pt").exists():       # the first run is training (--save-every 1)
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        with pytest.raises(data.DataError, match=rf"another run is using it \(pid {first.pid}\)"):
+            data.lock_out(out)
+        results = run_cli("train.py", [["--resume", "--out", out], listops_args(listops_dir, out) + ["--overwrite"],
+                                       listops_args(listops_dir, fresh)])
+        busy = f"another run is using it (pid {first.pid}); wait for it or choose another --out"
+        one_error(results[0], f"--out {out}: {busy}")
+        one_error(results[1], f"--out {out}: {busy}")
+        one_error(results[2], f"--out {fresh}: another run is using it (pid {holder.pid})")
+    finally:
+        for p in (first, holder):
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert (out / ".lock").read_text().strip() == str(first.pid)       # the file stays; the lock went with the run
+    code, _, err = run_main(listops_args(listops_dir, out) + ["--overwrite"])
+    assert code == 0, err
+    assert (out / ".lock").read_text().strip() == str(os.getpid()) and (out / "final.json").exists()
+    data.lock_out(fresh).close()                         # the killed holder's lock is gone too
 
 
 # -----------------------------------------------------------------------------
