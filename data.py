@@ -1,22 +1,34 @@
-"""data.py: files -> token ids -> padded batches, and their scores (methods.md §4). The bottom of the imports.
+"""data.py: files on disk -> padded batches of token ids, and the scores of a model's predictions.
 
-The two methods need their baselines' exact inputs: AttendOut (learned attention dropout) is scored on GLUE with
-the checkpoints' own tokenizers (equal to HF's); ERNIE-Sparse (sparse + hierarchical attention, SAR) on Long
-Range Arena (LRA's byte / pixel inputs, readers/lra.py) and long-document QA (readers/qa.py, loaded on first use).
+The bottom layer of attnreg: it imports no other module of the project, so any module may import
+it. It reads the course's tasks (methods.md §4): GLUE's nine from their official folders, any
+labelled TSV / CSV / JSONL file (--task tsv) and LRA's ListOps, which it also generates. Its
+tokenizers are a checkpoint's own (equal to HuggingFace's), SentencePiece trained from scratch, or
+a fixed vocabulary (ListOps' symbols, LRA's bytes). LRA's other tasks, extractive QA and masked-LM
+pretraining are read by readers/ (lra.py, qa.py, mlm.py), which train.py picks for those tasks.
 
-In reading order: 0. one-line errors; 1. tokenizers; 2. readers (GLUE, TSV/CSV/JSONL, ListOps; masked LM is in
-readers/mlm.py); 3. the task table (TASKS: each task's reader and objective); 4. batching; 5. metrics; 6. ListOps.
+Read it top to bottom, in the order the data flows:
+  1. files       a TSV / CSV / JSONL file -> records (FILE:LINE, text, pair, label)
+  2. tokenizers  text -> token ids
+  3. examples    records -> Examples; each task's reader; the task table TASKS
+  4. batches     Examples -> padded tensors, in an order fixed by (seed, epoch)
+  5. metrics     GLUE's official metrics, by hand in numpy
+  6. ListOps     LRA's generator of ListOps expressions
+  7. plumbing    DataError and the one-line `error:`, the lock on --out, the command line
+Bad input raises a DataError that names the file and line, or the flag: one `error:` line, exit 2.
 
-Run: python data.py listops data/listops --train 96000 --val 2000 --test 2000 --min-len 500 --max-len 2000
+Run: python data.py listops data/listops    # LRA's ListOps: 96,000 / 2,000 / 2,000, 500-2,000 long
 """
 import argparse
 import csv
+import fcntl
 import hashlib
 import io
 import json
 import os
 import random
 import sys
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,312 +41,520 @@ from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
-csv.field_size_limit(2**31 - 1)  # long documents (LRA text, ListOps) exceed csv's 128 KiB default
+# -----------------------------------------------------------------------------
+# 1. Files -> records
+#
+# Every reader starts from a file and ends in records (where, text, pair, label): `where` is the
+# "FILE:LINE" an error about the record names, `pair` the second text of a pair (or None), `label`
+# the label as the file writes it, a string. Files are UTF-8; TSV is read as GLUE writes it (tabs,
+# no quoting), CSV with the usual quoting, JSONL as one JSON value a line. Long documents (LRA's
+# texts, ListOps expressions) exceed csv's default field limit of 128 KiB.
 
-# ---- 0. One-line errors: a bad flag, file or checkpoint is one `error:` line that names it, exit 2 ----------
+csv.field_size_limit(2**31 - 1)
 
-class DataError(ValueError):
-    """A problem with the user's files or flags; the message names the file (FILE:LINE) or the flag."""
-
-def fail(msg, code=2):
-    print(f"error: {msg}", file=sys.stderr, flush=True)      # the one line, no traceback
-    sys.exit(code)
-
-def warn(msg):
-    if not dist.is_initialized() or dist.get_rank() == 0:     # once per run, not once per torchrun process
-        tqdm.write(f"warning: {msg}", file=sys.stderr)
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):                                 # an unknown flag or a bad value: one line too
-        fail(f"{message} (see {self.prog} --help)")
-
-@contextmanager
-def one_line_errors(interrupted="interrupted"):
-    """Every entry point runs inside it: what user input can raise becomes one line; Ctrl-C exits 130."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        fail(interrupted, code=130)
-    except (ValueError, OSError, KeyError, SafetensorError) as e:   # DataError, CheckpointError, bad JSON, ...
-        if isinstance(e, OSError):                                   # no such file, disk full, ...
-            fail(f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}")
-        if isinstance(e, KeyError):                                  # a config from elsewhere lacks a field
-            fail(f"missing field {e.args[0]!r} (a config or checkpoint from elsewhere?)")
-        fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-
-# ---- 1. Tokenizers: encode_plus(text, pair=None, max_len=None) -> (ids, type_ids), specials in, cut to max_len;
-# encode, decode, pad_id / unk_id / cls_id / sep_id / mask_id, vocab_size, and `files` ({name: bytes}), what a
-# checkpoint embeds to rebuild it (tokenizer_from_files).
-
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                      "sentencepiece.bpe.model")                 # what we read of an HF folder
-KIND_FILE, SPM_FILE = "attnreg_tokenizer.json", "attnreg_spm.model"          # our own tokenizers' files
-SPECIAL_TOKENS = {"pad": ("<pad>", "[PAD]"), "unk": ("<unk>", "[UNK]"), "cls": ("<s>", "[CLS]"),  # RoBERTa's,
-                  "sep": ("</s>", "[SEP]"), "mask": ("<mask>", "[MASK]")}                         # then BERT's
-FIXED_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}  # our own tokenizers' (ListOps, bytes, scratch)
-
-def _named(config, role):
-    value = config.get(f"{role}_token")            # tokenizer_config.json: "<mask>" or {"content": "<mask>"}
-    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
-
-def _special_ids(token_to_id, config):
-    """{role: id}: the config's token first, then the usual spellings; pad, cls and sep must exist."""
-    ids = {}
-    for role, spellings in SPECIAL_TOKENS.items():
-        found = [token_to_id(t) for t in (_named(config, role), *spellings) if t is not None]
-        ids[role] = next((i for i in found if i is not None), None)
-        if ids[role] is None and role in ("pad", "cls", "sep"):
-            raise DataError(f"tokenizer has no {role} token (looked for {spellings})")
-    return ids
-
-class _Tokenizer:
-    def _set_ids(self, ids):                                  # ids: {role: id}
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (ids[r] for r in SPECIAL_TOKENS)
-    def encode(self, text, pair=None):
-        return self.encode_plus(text, pair)[0]
-
-class HFTokenizer(_Tokenizer):
-    """A `tokenizers.Tokenizer` (a tokenizer.json: RoBERTa's BPE, BERT's WordPiece, ...), exactly HF's fast one."""
-    def __init__(self, tok, files, config):
-        tok.no_truncation()
-        tok.no_padding()
-        self.tok, self.files, self._cut = tok, files, {}       # _cut: max_len -> a copy that truncates there
-        self._set_ids(_special_ids(tok.token_to_id, config))
-        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-    def encode_plus(self, text, pair=None, max_len=None):
-        if max_len is not None and max_len not in self._cut:    # HF's longest_first: cut the longer text first
-            self._cut[max_len] = Tokenizer.from_str(self.tok.to_str())
-            self._cut[max_len].enable_truncation(max_len, strategy="longest_first")
-        enc = (self.tok if max_len is None else self._cut[max_len]).encode(text, pair)
-        return list(enc.ids), list(enc.type_ids)
-    def decode(self, ids):
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-def bert_wordpiece(files, config):
-    """BERT's WordPiece tokenizer of a vocab.txt (an HF folder without tokenizer.json), built as HF builds it."""
-    lines = files["vocab.txt"].decode("utf-8").replace("\r\n", "\n").removesuffix("\n").split("\n")
-    vocab = {t: i for i, t in enumerate(lines)}                  # id = line number
-    unk = next((t for t in (_named(config, "unk"), "[UNK]", "<unk>") if t in vocab), "[UNK]")
-    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
-    tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
-        strip_accents=config.get("strip_accents"), lowercase=bool(config.get("do_lower_case", True)))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(list(dict.fromkeys(                   # "[MASK]" in text stays one token
-        t for r, sp in SPECIAL_TOKENS.items() for t in (_named(config, r), *sp) if t in vocab)))
-    ids = _special_ids(tok.token_to_id, config)                  # [CLS] A [SEP] B [SEP], types 0 .. 0 1 .. 1
-    tok.post_processor = processors.BertProcessing(*((tok.id_to_token(ids[r]), ids[r]) for r in ("sep", "cls")))
-    return tok
-
-class SentencePieceTokenizer(_Tokenizer):
-    """A SentencePiece model; type ids all 0. fairseq=True: XLM-R's sentencepiece.bpe.model as transformers maps
-    it (<s>=0 <pad>=1 </s>=2 <unk>=3, piece p -> p + 1, <mask> last; pairs <s> A </s></s> B </s>); False: from
-    scratch (train_sentencepiece), spm's own ids pad=0 unk=1 <s>=2 </s>=3 <mask>=4; pairs <s> A </s> B </s>."""
-    def __init__(self, model_bytes, files, fairseq):
-        self.sp, self.files, self.fairseq = spm.SentencePieceProcessor(model_proto=model_bytes), files, fairseq
-        n = self.sp.get_piece_size()                               # fairseq: the offset 1 and <mask> on top
-        self._set_ids({"cls": 0, "pad": 1, "sep": 2, "unk": 3, "mask": n + 1} if fairseq else FIXED_IDS)
-        self.vocab_size = n + 2 if fairseq else n
-    def _pieces(self, text):
-        ids = self.sp.encode(text)
-        return [p + 1 if p else self.unk_id for p in ids] if self.fairseq else ids   # fairseq: spm's unk 0 -> 3
-    def encode_plus(self, text, pair=None, max_len=None):
-        a, b = self._pieces(text), self._pieces(pair) if pair is not None else []
-        while max_len is not None and len(a) + len(b) > max_len - (2 if pair is None else 3 + self.fairseq):
-            (a if len(a) >= len(b) else b).pop()                   # HF's longest_first: cut the longer one
-        ids = [self.cls_id] + a + [self.sep_id]
-        if pair is not None:
-            ids += [self.sep_id] * self.fairseq + b + [self.sep_id]   # fairseq: </s></s> between the two
-        return ids, [0] * len(ids)
-    def decode(self, ids):
-        ids = [int(i) for i in ids if int(i) not in (self.cls_id, self.pad_id, self.sep_id, self.mask_id)]
-        return self.sp.decode([i - 1 if i != self.unk_id else 0 for i in ids] if self.fairseq else ids)
-
-def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
-    """A from-scratch SentencePiece model of the training texts (methods.md §4), cached beside the data as
-    PREFIX-<hash of vocab size, type and every text>.model: the same data reuses it, changed data trains anew."""
-    texts = [t for t in texts if t.strip()]
-    key = hashlib.sha1("\n".join([f"{vocab_size} {model_type}", *texts]).encode("utf-8")).hexdigest()[:12]
-    prefix = f"{model_prefix_path}-{key}"                          # the same data: the same file
-    if not os.path.exists(prefix + ".model"):                     # the cache: trained once per data set
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        try:
-            spm.SentencePieceTrainer.train(
-                sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
-                character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>",
-                unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>", user_defined_symbols=["<mask>"],
-                input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
-        except RuntimeError as e:   # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
-            raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]}") from None
-    return _scratch_spm(Path(prefix + ".model").read_bytes())
-
-def _scratch_spm(model_bytes):
-    files = {KIND_FILE: json.dumps({"kind": "sentencepiece"}).encode(), SPM_FILE: model_bytes}
-    return SentencePieceTokenizer(model_bytes, files, fairseq=False)
-
-class _FixedTokenizer(_Tokenizer):
-    """A fixed vocabulary after pad=0 unk=1 <s>=2 </s>=3 <mask>=4; [cls] first, no [sep] at the end."""
-    def __init__(self, kind, vocab_size):
-        self._set_ids(FIXED_IDS)
-        self.files, self.vocab_size = {KIND_FILE: json.dumps({"kind": kind}).encode()}, vocab_size
-    def encode_plus(self, text, pair=None, max_len=None):
-        ids = [self.cls_id] + self._pieces(text) + ([self.sep_id] + self._pieces(pair) if pair is not None else [])
-        return ids[:max_len], [0] * len(ids[:max_len])            # LRA cuts its inputs at max_length
-
-class ListOpsTokenizer(_FixedTokenizer):
-    """ListOps' 20 symbols (methods.md §4): LRA's Source string with "(" and ")" dropped ("[MAX" and "]" kept)."""
-    SYMBOLS = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", *"0123456789", "[MIN", "[MAX", "[MED", "[SM", "]"]
-    def __init__(self):
-        super().__init__("listops", len(self.SYMBOLS))
-        self.vocab = {s: i for i, s in enumerate(self.SYMBOLS)}
-    def _pieces(self, text):
-        return [self.vocab.get(t, self.unk_id) for t in text.split() if t not in ("(", ")")]
-    def decode(self, ids):
-        return " ".join(self.SYMBOLS[int(i)] for i in ids if int(i) > self.mask_id)
-
-class ByteTokenizer(_FixedTokenizer):
-    """LRA's character level, 261 ids: byte + 5 (Text, Retrieval: UTF-8 bytes, tfds' ByteTextEncoder shifted)
-    or pixel value + 5 (Image, Pathfinder: 256 grey levels)."""
-    OFFSET = 5                                                    # ids 0..4 are the specials
-    def __init__(self):
-        super().__init__("bytes", self.OFFSET + 256)
-    def _pieces(self, text):
-        return [b + self.OFFSET for b in text.encode("utf-8")]
-    def encode_values(self, values, max_len=None):                # [cls] + (value + 5) per byte / pixel
-        return ([self.cls_id] + [int(v) + self.OFFSET for v in values])[:max_len]
-    def decode(self, ids):
-        return bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET).decode("utf-8", errors="replace")
-
-def tokenizer_from_files(files):
-    """The tokenizer of {filename: bytes} (an HF folder's or a checkpoint's); damaged files: one DataError."""
-    try:
-        if KIND_FILE in files:                                    # ours: from scratch, ListOps, bytes
-            kind = json.loads(files[KIND_FILE].decode("utf-8")).get("kind")
-            fixed = {"listops": ListOpsTokenizer, "bytes": ByteTokenizer}
-            return _scratch_spm(files[SPM_FILE]) if kind == "sentencepiece" else fixed[kind]()
-        config = {}
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):   # the latter wins
-            config.update(json.loads(files[name].decode("utf-8")) if name in files else {})
-        if "tokenizer.json" in files:
-            return HFTokenizer(Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")), files, config)
-        if "vocab.txt" in files:
-            return HFTokenizer(bert_wordpiece(files, config), files, config)
-        if "sentencepiece.bpe.model" in files:                   # XLM-R
-            return SentencePieceTokenizer(files["sentencepiece.bpe.model"], files, fairseq=True)
-    except DataError:
-        raise
-    except Exception as e:       # tokenizers raises plain Exceptions: a cut file, a foreign format, ...
-        raise DataError(f"tokenizer files {sorted(files)} are damaged or of an unknown format "
-                        f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
-    raise DataError(f"no supported tokenizer files (have {sorted(files)}; need tokenizer.json, vocab.txt or "
-                    "sentencepiece.bpe.model)")
-
-def files_to_tensors(files):                 # {name: bytes} -> {name: uint8 tensor}, safe under weights_only
-    return {name: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-            for name, b in files.items()}
-
-def tensors_to_files(stored):                # a checkpoint's ckpt["tokenizer"]["files"] -> {name: bytes}
-    return {name: t.numpy().tobytes() for name, t in stored.items()}
-
-def read_tokenizer_folder(folder):           # {filename: bytes} of the tokenizer files a folder holds
-    return {n: Path(folder, n).read_bytes() for n in HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE)
-            if Path(folder, n).is_file()}
-
-def load_tokenizer(path):
-    """The tokenizer of an HF folder or of a `.pt` checkpoint (its files under ckpt["tokenizer"]["files"])."""
-    if os.path.isdir(path):
-        return tokenizer_from_files(read_tokenizer_folder(path))
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such tokenizer folder or checkpoint")
-    try:                                                           # weights_only: tensors and plain types only
-        stored = torch.load(path, map_location="cpu", weights_only=True)["tokenizer"]["files"]
-    except (KeyError, TypeError):
-        raise DataError(f"{path}: checkpoint has no tokenizer files (ckpt['tokenizer']['files'])") from None
-    except Exception as e:                                         # not a torch file, or not weights_only-safe
-        raise DataError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
-    return tokenizer_from_files(tensors_to_files(stored))
-
-# ---- 2. Readers: files -> examples. An error names FILE:LINE; skipped rows are counted and named -------------
-
-@dataclass
-class Example:
-    ids: list                   # token ids, special tokens included
-    type_ids: list | None       # segment ids, or None (= all zeros)
-    label: int | float          # class index, or a float score (STS-B); readers/qa.py: (start, end)
-
-@dataclass
-class PairExample:              # LRA Retrieval: the dual encoder encodes each document on its own
-    ids: list                   # first document, [cls] + tokens
-    ids2: list                  # second document
-    label: int
-    type_ids: None = None
-
-@dataclass
-class TaskData:
-    train: list                 # [Example]
-    dev: dict                   # split -> [Example] (MNLI: dev_matched, dev_mismatched; LRA: dev, test)
-    num_labels: int             # 1 for regression, 0 for mlm
-    is_regression: bool
-    metric_name: str            # the main metric, a key of compute_metrics' dict
-    label_names: list           # class index -> label string
-    n_truncated: int = 0        # examples cut to max_len (the caller warns once)
-    skipped: list = field(default_factory=list)   # "FILE:LINE" of rows skipped on purpose (QQP's short rows, ...)
-    head: str = "cls"           # model.Config.head: "cls", "pair" (lra-retrieval) or "span" (squad)
-    @property
-    def n_skipped(self):
-        return len(self.skipped)
-
-def skipped_warning(skipped, shown=5):
-    """The `warning:` text for skipped rows (None if none): the count and the first few FILE:LINEs."""
-    more = f", ... ({len(skipped) - shown} more)" if len(skipped) > shown else ""
-    return f"{len(skipped)} rows skipped: {', '.join(skipped[:shown])}{more}" if skipped else None
-
+# The text of a file, a byte-order mark dropped (the "-sig" of utf-8-sig). A file that is not UTF-8
+# is an error naming the line and column of its first bad byte, counted in the raw bytes.
 def read_text(path, encoding="utf-8-sig"):
-    """A text file's contents (a BOM stripped); a file that is not UTF-8 is a DataError naming file and line."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     raw = Path(path).read_bytes()
     try:
         return raw.decode(encoding)
     except UnicodeDecodeError as e:
-        line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        byte = raw[e.start]
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x} at column {column}); "
                         "convert the file to UTF-8") from None
 
+# A TSV file (GLUE's: no quoting) or a CSV file as [(line, row)], blank lines skipped. A row's line
+# is the line it starts on: a quoted CSV field may span several. strict=True makes csv stop at a
+# quote that never closes, which would otherwise swallow the rest of the file into one field.
 def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
-    """[(line, row)] of a TSV (GLUE: no quoting) or CSV file, blank lines skipped; a row's line is its first."""
-    reader = csv.reader(io.StringIO(read_text(path), newline=""), delimiter=delimiter, quoting=quoting, strict=True)
-    rows, line = [], 1
+    text = io.StringIO(read_text(path), newline="")
+    reader = csv.reader(text, delimiter=delimiter, quoting=quoting, strict=True)
+    rows = []
+    line = 1                                        # the line the next row starts on
     try:
         for row in reader:
-            rows += [(line, row)] if row else []
-            line = reader.line_num + 1                            # where the next row starts
-    except csv.Error as e:   # strict: a quote left open would swallow the rest of the file into one field
-        what = "a quoted field opens here and never closes" if "end of data" in str(e) else f"bad quoting ({e})"
+            if row:
+                rows.append((line, row))
+            line = reader.line_num + 1
+    except csv.Error as e:
+        unclosed = "end of data" in str(e)
+        what = "a quoted field opens here and never closes" if unclosed else f"bad quoting ({e})"
         raise DataError(f"{path}:{line}: {what}") from None
     if not rows:
         raise DataError(f"{path}:1: empty file")
     return rows
 
-def _column(header, col, path):         # a column's index, from its name (the file has a header) or index
+# A column is given by its header name or by its 0-based index; this is its index in the header.
+def _column(header, col, path):
     if isinstance(col, str) and col not in header:
         raise DataError(f"{path}:1: no column {col!r} in header {header}")
     return header.index(col) if isinstance(col, str) else col
 
+# A JSONL file: each line one JSON object (a column by key, or by index in key order) or one JSON
+# list (a column by index). Labels become classes by their text, so 1, 1.0, "1" and true in one
+# file would silently be four classes, and a null, an object or a list is no label at all: a label
+# must be a scalar, and a file's labels all of one type (true and 1 differ, though Python's bool is
+# an int). Either is an error naming file and line; a good label is then read as text ("1").
+JSON_LABEL_TYPES = {str: "a string", int: "an integer", float: "a decimal number",
+                    bool: "true / false"}
+
+def _json_value(obj, col, where):
+    # a line that is neither an object nor a list has no columns at all
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, list):
+        values = obj
+    else:
+        values = []
+    try:
+        if isinstance(col, str):
+            return obj[col]                         # by key (an object)
+        return values[col]                          # by index
+    except (KeyError, IndexError, TypeError):
+        raise DataError(f"{where}: no column {col!r} (a line is a JSON object or list)") from None
+
+def read_jsonl(path, cols):
+    records = []
+    first = None                                    # (line, label) that fixes the label type
+    for line, s in enumerate(io.StringIO(read_text(path), newline=None), 1):
+        if not s.strip():
+            continue
+        where = f"{path}:{line}"
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+        got = [None if c is None else _json_value(obj, c, where) for c in cols]
+        label = got[2]
+        shown = json.dumps(label)[:40]
+        if type(label) not in JSON_LABEL_TYPES:
+            raise DataError(f"{where}: label {shown} is not a label (a label is a string, a "
+                            "number or true / false)")
+        if first is None:
+            first = (line, label)
+        elif type(label) is not type(first[1]):
+            kind = JSON_LABEL_TYPES[type(label)]
+            first_kind = JSON_LABEL_TYPES[type(first[1])]
+            raise DataError(f"{where}: label {shown} is {kind}, but line {first[0]}'s label "
+                            f"{json.dumps(first[1])[:40]} is {first_kind}; a file's labels are "
+                            "all of one type")
+        texts = [None if c is None else str(v) for c, v in zip(cols, got)]
+        records.append((where, *texts))
+    if not records:
+        raise DataError(f"{path}:1: empty file")
+    return records
+
+# Any labelled file (.tsv, .csv or .jsonl) -> (records, skipped FILE:LINEs). cols is (text, pair
+# or None, label), each a header name or a 0-based index ("3" counts as 3); a TSV or CSV file has a
+# header row exactly when a column is given by name. Every row must have as many columns as the
+# first; skip_bad_rows skips the others instead (QQP, as transformers' GLUE processor does).
+def read_generic(path, cols, skip_bad_rows=False):
+    if cols[0] is None or cols[2] is None:
+        raise DataError(f"{path}: --task tsv needs --text-col and --label-col (header names or "
+                        "0-based indices)")
+    flags = ("--text-col", "--text-pair-col", "--label-col")
+    cols = [int(c) if isinstance(c, str) and c.strip().lstrip("-").isdigit() else c for c in cols]
+    for col, flag in zip(cols, flags):
+        if isinstance(col, int) and col < 0:        # no counting from the end
+            raise DataError(f"{flag} {col}: a column is a header name or a 0-based index (>= 0)")
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".jsonl", ".json"):
+        return read_jsonl(path, cols), []
+    rows = read_rows(path, ",", csv.QUOTE_MINIMAL) if ext == ".csv" else read_rows(path)
+    head = None
+    if any(isinstance(c, str) for c in cols):       # a column by name: the first row is a header
+        head = [h.strip() for h in rows.pop(0)[1]]
+    if not rows:
+        raise DataError(f"{path}:2: no rows after the header")
+    ncols = len(head or rows[0][1])
+    ti, pi, li = [_column(head, c, path) if c is not None else None for c in cols]
+    for flag, i in zip(flags, (ti, pi, li)):
+        if i is not None and i >= ncols:
+            raise DataError(f"{path}:{rows[0][0]}: {flag} asks for column {i} (0-based), but the "
+                            f"line has {ncols} column{'s' * (ncols != 1)}")
+    records = []
+    skipped = []
+    for line, row in rows:
+        if len(row) != ncols and skip_bad_rows:
+            skipped.append(f"{path}:{line}")
+        elif len(row) != ncols:
+            raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
+        else:
+            pair = row[pi] if pi is not None else None
+            records.append((f"{path}:{line}", row[ti], pair, row[li].strip()))
+    return records, skipped
+
+# A split of --task tsv's folder: DIR/train.tsv, else DIR/train.csv, else DIR/train.jsonl.
+def _find_split(folder, stem):
+    candidates = [os.path.join(folder, stem + ext) for ext in (".tsv", ".csv", ".jsonl")]
+    found = [p for p in candidates if os.path.isfile(p)]
+    if not found:
+        raise DataError(f"{folder}: no {stem}.tsv, {stem}.csv or {stem}.jsonl")
+    return found[0]
+
+# -----------------------------------------------------------------------------
+# 2. Tokenizers: text -> token ids
+#
+# One interface: encode_plus(text, pair=None, max_len=None) -> (ids, type_ids), with the special
+# tokens put in as the model's family does ([CLS] A [SEP] B [SEP] for BERT, <s> A </s></s> B </s>
+# for RoBERTa) and a pair cut to max_len as HuggingFace's "longest_first" cuts it (a token off the
+# longer text until it fits); encode gives the ids alone, decode the text back. Each also has
+# pad_id, unk_id, cls_id, sep_id, mask_id, vocab_size, and `files` ({name: bytes}), which a
+# checkpoint stores to rebuild the very same tokenizer (tokenizer_from_files). Four kinds (§4):
+#   - HFTokenizer: a pretrained checkpoint's own tokenizer.json (RoBERTa's byte-level BPE, BERT's
+#     WordPiece), run by the `tokenizers` library exactly as HuggingFace's fast tokenizer runs it;
+#   - SentencePieceTokenizer: XLM-R's sentencepiece.bpe.model, or one trained here from scratch;
+#   - ListOpsTokenizer and ByteTokenizer: the fixed vocabularies of ListOps and LRA's bytes/pixels.
+
+# The files of an HF folder we read, and the two files our own tokenizers are stored as.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "vocab.txt", "sentencepiece.bpe.model")
+KIND_FILE = "attnreg_tokenizer.json"        # {"kind": "sentencepiece" | "listops" | "bytes"}
+SPM_FILE = "attnreg_spm.model"              # a SentencePiece model trained here
+
+# The five special tokens by role, RoBERTa's spelling first, then BERT's; and the ids our own
+# tokenizers (ListOps, bytes, SentencePiece from scratch) give them.
+SPECIAL_TOKENS = {
+    "pad": ("<pad>", "[PAD]"),
+    "unk": ("<unk>", "[UNK]"),
+    "cls": ("<s>", "[CLS]"),
+    "sep": ("</s>", "[SEP]"),
+    "mask": ("<mask>", "[MASK]"),
+}
+FIXED_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+
+# The token tokenizer_config.json names for a role: "mask_token": "<mask>" or {"content": ...}.
+def _named(config, role):
+    value = config.get(f"{role}_token")
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+# {role: id} of a vocabulary: the token the config names first, then the usual spellings. pad, cls
+# and sep must exist (padding and the [cls] ... [sep] layout need them); unk and mask may be None.
+def _special_ids(token_to_id, config):
+    ids = {}
+    for role, spellings in SPECIAL_TOKENS.items():
+        candidates = [t for t in (_named(config, role), *spellings) if t is not None]
+        found = [token_to_id(t) for t in candidates]
+        ids[role] = next((i for i in found if i is not None), None)
+        if ids[role] is None and role in ("pad", "cls", "sep"):
+            raise DataError(f"tokenizer has no {role} token (looked for {spellings})")
+    return ids
+
+# What every tokenizer shares: the special ids as attributes, and encode (ids without type ids).
+class _Tokenizer:
+    def _set_ids(self, ids):
+        self.pad_id = ids["pad"]
+        self.unk_id = ids["unk"]
+        self.cls_id = ids["cls"]
+        self.sep_id = ids["sep"]
+        self.mask_id = ids["mask"]
+
+    def encode(self, text, pair=None):
+        return self.encode_plus(text, pair)[0]
+
+# A checkpoint's tokenizer.json, run by the `tokenizers` library, which is what HuggingFace's fast
+# tokenizer runs: the ids agree token for token (tests/test_data.py checks three families).
+# Cutting to max_len needs a copy with truncation on; one copy is kept per max_len.
+class HFTokenizer(_Tokenizer):
+    def __init__(self, tok, files, config):
+        tok.no_truncation()
+        tok.no_padding()
+        self.tok = tok
+        self.files = files
+        self._cut = {}                              # max_len -> a copy that truncates there
+        self._set_ids(_special_ids(tok.token_to_id, config))
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        if max_len is not None and max_len not in self._cut:
+            self._cut[max_len] = Tokenizer.from_str(self.tok.to_str())
+            self._cut[max_len].enable_truncation(max_len, strategy="longest_first")
+        tok = self.tok if max_len is None else self._cut[max_len]
+        enc = tok.encode(text, pair)
+        return list(enc.ids), list(enc.type_ids)
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+# BERT's WordPiece tokenizer of a vocab.txt (an HF folder without tokenizer.json), built as
+# HuggingFace builds it: a token's id is its line number; BERT's normalizer (lowercase, accents as
+# the config says) and pre-tokenizer; special tokens kept whole ("[MASK]" in a text is one token);
+# [CLS] A [SEP] B [SEP] with type ids 0 up to the first [SEP], 1 after it.
+def bert_wordpiece(files, config):
+    text = files["vocab.txt"].decode("utf-8").replace("\r\n", "\n").removesuffix("\n")
+    vocab = {token: i for i, token in enumerate(text.split("\n"))}
+    unk = next((t for t in (_named(config, "unk"), "[UNK]", "<unk>") if t in vocab), "[UNK]")
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+        strip_accents=config.get("strip_accents"),
+        lowercase=bool(config.get("do_lower_case", True)))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    specials = [t for role, spellings in SPECIAL_TOKENS.items()
+                for t in (_named(config, role), *spellings) if t in vocab]
+    tok.add_special_tokens(list(dict.fromkeys(specials)))     # each once, in order
+    ids = _special_ids(tok.token_to_id, config)
+    sep = (tok.id_to_token(ids["sep"]), ids["sep"])
+    cls = (tok.id_to_token(ids["cls"]), ids["cls"])
+    tok.post_processor = processors.BertProcessing(sep, cls)
+    return tok
+
+# A SentencePiece model, in one of two id layouts; type ids are all 0.
+#   fairseq=True: XLM-R's sentencepiece.bpe.model, mapped as transformers maps it: <s>=0 <pad>=1
+#     </s>=2 <unk>=3, SentencePiece's piece p becomes p + 1, <mask> comes last; a pair is
+#     <s> A </s></s> B </s>.
+#   fairseq=False: a model trained here (train_sentencepiece), with SentencePiece's own ids pad=0
+#     unk=1 <s>=2 </s>=3 <mask>=4 (FIXED_IDS); a pair is <s> A </s> B </s>.
+# Cutting to max_len takes a piece off the longer text until all fits (HF's longest_first).
+class SentencePieceTokenizer(_Tokenizer):
+    def __init__(self, model_bytes, files, fairseq):
+        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        self.files = files
+        self.fairseq = fairseq
+        n = self.sp.get_piece_size()
+        if fairseq:
+            self._set_ids({"cls": 0, "pad": 1, "sep": 2, "unk": 3, "mask": n + 1})
+            self.vocab_size = n + 2                 # the offset of 1, and <mask> on top
+        else:
+            self._set_ids(FIXED_IDS)
+            self.vocab_size = n
+
+    # fairseq: SentencePiece's piece p is p + 1, and its unk 0 is our unk_id 3
+    def _pieces(self, text):
+        ids = self.sp.encode(text)
+        return [p + 1 if p else self.unk_id for p in ids] if self.fairseq else ids
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        a = self._pieces(text)
+        b = self._pieces(pair) if pair is not None else []
+        specials = 2 if pair is None else 3 + self.fairseq
+        while max_len is not None and len(a) + len(b) > max_len - specials:
+            longer = a if len(a) >= len(b) else b
+            longer.pop()
+        ids = [self.cls_id] + a + [self.sep_id]
+        if pair is not None:
+            ids += [self.sep_id] * self.fairseq + b + [self.sep_id]   # fairseq: </s></s> between
+        return ids, [0] * len(ids)
+
+    def decode(self, ids):
+        specials = (self.cls_id, self.pad_id, self.sep_id, self.mask_id)
+        ids = [int(i) for i in ids if int(i) not in specials]
+        if self.fairseq:
+            ids = [i - 1 if i != self.unk_id else 0 for i in ids]
+        return self.sp.decode(ids)
+
+# A SentencePiece model of the training texts, for a model trained from scratch on text (§4).
+# It is cached beside the data as PREFIX-<hash>.model, the hash of the vocabulary size, the model
+# type and every text: the same data reuses the file, changed data trains anew. SentencePiece's
+# error (too large a vocabulary for the text) becomes one line.
+def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
+    texts = [t for t in texts if t.strip()]
+    key = "\n".join([f"{vocab_size} {model_type}", *texts]).encode("utf-8")
+    prefix = f"{model_prefix_path}-{hashlib.sha1(key).hexdigest()[:12]}"
+    if not os.path.exists(prefix + ".model"):
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size,
+                model_type=model_type, character_coverage=0.9995,
+                pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                user_defined_symbols=["<mask>"],
+                input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
+        except RuntimeError as e:
+            # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
+            raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]}") from None
+    return _scratch_spm(Path(prefix + ".model").read_bytes())
+
+# A SentencePiece model trained here, with the files a checkpoint stores to rebuild it.
+def _scratch_spm(model_bytes):
+    files = {KIND_FILE: json.dumps({"kind": "sentencepiece"}).encode(), SPM_FILE: model_bytes}
+    return SentencePieceTokenizer(model_bytes, files, fairseq=False)
+
+# A fixed vocabulary after the five specials (FIXED_IDS): [cls] first, no [sep] at the end, cut at
+# max_len as LRA cuts its inputs. A subclass says how a text becomes pieces (_pieces).
+class _FixedTokenizer(_Tokenizer):
+    def __init__(self, kind, vocab_size):
+        self._set_ids(FIXED_IDS)
+        self.files = {KIND_FILE: json.dumps({"kind": kind}).encode()}
+        self.vocab_size = vocab_size
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        ids = [self.cls_id] + self._pieces(text)
+        if pair is not None:
+            ids += [self.sep_id] + self._pieces(pair)
+        ids = ids[:max_len]
+        return ids, [0] * len(ids)
+
+# ListOps' 20 symbols (methods.md §4): the specials, the digits, the four operators and "]". A
+# source is LRA's string with "(" and ")" dropped: "( ( ( [MAX 2 ) 9 ) ] )" -> [cls] [MAX 2 9 ].
+class ListOpsTokenizer(_FixedTokenizer):
+    SYMBOLS = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", *"0123456789",
+               "[MIN", "[MAX", "[MED", "[SM", "]"]
+
+    def __init__(self):
+        super().__init__("listops", len(self.SYMBOLS))
+        self.vocab = {s: i for i, s in enumerate(self.SYMBOLS)}
+
+    def _pieces(self, text):
+        return [self.vocab.get(t, self.unk_id) for t in text.split() if t not in ("(", ")")]
+
+    def decode(self, ids):
+        return " ".join(self.SYMBOLS[int(i)] for i in ids if int(i) > self.mask_id)
+
+# LRA's character level, 261 ids: a byte + 5 (Text, Retrieval: tfds' ByteTextEncoder, shifted
+# past our specials) or a pixel value + 5 (Image, Pathfinder: 256 grey levels, encode_values).
+class ByteTokenizer(_FixedTokenizer):
+    OFFSET = 5                                      # ids 0..4 are the specials
+
+    def __init__(self):
+        super().__init__("bytes", self.OFFSET + 256)
+
+    def _pieces(self, text):
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    # [cls] + (value + 5) per byte or pixel
+    def encode_values(self, values, max_len=None):
+        ids = [self.cls_id] + [int(v) + self.OFFSET for v in values]
+        return ids[:max_len]
+
+    def decode(self, ids):
+        raw = bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET)
+        return raw.decode("utf-8", errors="replace")
+
+# The tokenizer of {filename: bytes}, an HF folder's files or a checkpoint's. Ours say their kind
+# in KIND_FILE; an HF folder is read by what it holds, tokenizer.json first, with the special
+# tokens its special_tokens_map.json and tokenizer_config.json (which wins) name. Damaged files are
+# one DataError: the `tokenizers` library raises plain Exceptions for them.
+def tokenizer_from_files(files):
+    try:
+        if KIND_FILE in files:
+            kind = json.loads(files[KIND_FILE].decode("utf-8")).get("kind")
+            if kind == "sentencepiece":
+                return _scratch_spm(files[SPM_FILE])
+            return {"listops": ListOpsTokenizer, "bytes": ByteTokenizer}[kind]()
+        config = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            if name in files:
+                config.update(json.loads(files[name].decode("utf-8")))
+        if "tokenizer.json" in files:
+            tok = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+            return HFTokenizer(tok, files, config)
+        if "vocab.txt" in files:
+            return HFTokenizer(bert_wordpiece(files, config), files, config)
+        if "sentencepiece.bpe.model" in files:      # XLM-R
+            return SentencePieceTokenizer(files["sentencepiece.bpe.model"], files, fairseq=True)
+    except DataError:
+        raise
+    except Exception as e:
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        message = f"tokenizer files {sorted(files)} are damaged or of an unknown format ({why})"
+        raise DataError(message) from None
+    raise DataError(f"no supported tokenizer files (have {sorted(files)}; need tokenizer.json, "
+                    "vocab.txt or sentencepiece.bpe.model)")
+
+# A checkpoint stores the tokenizer's files as uint8 tensors (ckpt["tokenizer"]["files"]), which
+# torch.load reads with weights_only=True: no pickled code. These two convert between the forms.
+def files_to_tensors(files):
+    # torch.frombuffer refuses an empty buffer
+    return {name: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+            else torch.zeros(0, dtype=torch.uint8) for name, b in files.items()}
+
+def tensors_to_files(stored):
+    return {name: t.numpy().tobytes() for name, t in stored.items()}
+
+# {filename: bytes} of the tokenizer files a folder holds (an HF folder, or one we exported).
+def read_tokenizer_folder(folder):
+    names = HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE)
+    return {n: Path(folder, n).read_bytes() for n in names if Path(folder, n).is_file()}
+
+# The tokenizer of a path: an HF folder, or a .pt checkpoint (python model.py convert, a run's
+# ckpt_*.pt) with its files under ckpt["tokenizer"]["files"]. For Python and the tests: train.py
+# picks its own (the checkpoint's, the task's fixed one, or SentencePiece trained on the data).
+def tokenizer_from_path(path):
+    if os.path.isdir(path):
+        return tokenizer_from_files(read_tokenizer_folder(path))
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such tokenizer folder or checkpoint")
+    try:
+        # weights_only: tensors and plain types only
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        stored = ckpt["tokenizer"]["files"]
+    except (KeyError, TypeError):
+        raise DataError(f"{path}: checkpoint has no tokenizer files "
+                        "(ckpt['tokenizer']['files'])") from None
+    except Exception as e:
+        # not a torch file, or one weights_only refuses
+        raise DataError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+    return tokenizer_from_files(tensors_to_files(stored))
+
+# -----------------------------------------------------------------------------
+# 3. Examples: records -> token ids, each task's reader, the task table
+#
+# A reader turns a task's files into a TaskData: its training Examples, its dev splits (MNLI has
+# two), and what the model and the scores need (how many labels, which metric, which head). An
+# Example is one input: token ids with the specials in, type ids (None: all zeros), and a label,
+# a class index or, for STS-B's regression, a float score.
+
+@dataclass
+class Example:
+    ids: list                   # token ids, special tokens included (a list, or LRA's numpy array)
+    type_ids: list | None       # segment ids, or None (= all zeros)
+    label: int | float          # a class index, or a float score (STS-B); QA: (start, end)
+
+# LRA Retrieval's dual encoder encodes each of the two documents on its own (model.PairHead).
+@dataclass
+class PairExample:
+    ids: list                   # the first document, [cls] + tokens
+    ids2: list                  # the second document
+    label: int
+    type_ids: None = None
+
+@dataclass
+class TaskData:
+    train: list                 # [Example]
+    dev: dict                   # split -> [Example] (MNLI: dev_matched, dev_mismatched)
+    num_labels: int             # 1 for regression, 0 for mlm
+    is_regression: bool
+    metric_name: str            # the main metric, a key of compute_metrics' dict
+    label_names: list           # class index -> label string
+    n_truncated: int = 0        # examples cut to max_len (the caller warns once)
+    skipped: list = field(default_factory=list)  # "FILE:LINE" of rows skipped on purpose (QQP's)
+    head: str = "cls"           # model.Config.head: "cls", "pair" (Retrieval) or "span" (QA)
+
+    @property
+    def n_skipped(self):
+        return len(self.skipped)
+
+# The `warning:` for rows skipped on purpose (None if none was): the count and the first few.
+def skipped_warning(skipped, shown=5):
+    more = f", ... ({len(skipped) - shown} more)" if len(skipped) > shown else ""
+    return f"{len(skipped)} rows skipped: {', '.join(skipped[:shown])}{more}" if skipped else None
+
+# A text (and its pair) -> (ids, type_ids), cut to max_len if it is longer; stats counts the cuts.
 def _encode(tok, text, pair, max_len, stats):
     ids, type_ids = tok.encode_plus(text, pair)
-    if max_len is not None and len(ids) > max_len:                # cut (HF's longest_first), and counted
-        ids, type_ids = tok.encode_plus(text, pair, max_len=max_len)
+    if max_len is not None and len(ids) > max_len:
+        ids, type_ids = tok.encode_plus(text, pair, max_len=max_len)   # HF's longest_first
         stats["truncated"] += 1
     return ids, type_ids
 
+# Records -> Examples. label_index maps a label string to its class; None means regression, where
+# a label must be a number. An empty text or an unknown label is an error naming its line.
 def _labelled_examples(records, tok, max_len, label_index, stats):
-    """records: (where, text, pair, label string); label_index: {string: class}, or None (a float score)."""
     examples = []
     for where, text, pair, label in records:
         if not text.strip() or (pair is not None and not pair.strip()):
             raise DataError(f"{where}: empty text")
-        if label_index is None:                                   # regression: a finite float
+        if label_index is None:
             try:
                 y = float(label)
             except ValueError:
@@ -342,157 +562,135 @@ def _labelled_examples(records, tok, max_len, label_index, stats):
         elif label in label_index:
             y = label_index[label]
         else:
-            raise DataError(f"{where}: unknown label {label!r} (expected one of {sorted(label_index)})")
-        examples.append(Example(*_encode(tok, text, pair, max_len, stats), y))
+            expected = sorted(label_index)
+            raise DataError(f"{where}: unknown label {label!r} (expected one of {expected})")
+        ids, type_ids = _encode(tok, text, pair, max_len, stats)
+        examples.append(Example(ids, type_ids, y))
     return examples
 
-# The nine GLUE tasks in the official GLUE folders (methods.md §4): their (text, pair, label) columns, header
-# names or 0-based indices (CoLA has no header); the label strings in class order (None: regression).
+# A labelled file -> (examples, label_names, n_truncated). A training file's own labels are the
+# classes (label_names=None), sorted as numbers if all are integers ("2" before "10"); its dev file
+# passes the training file's, so a label unseen in training is an error.
+def load_generic(path, tok, *, text_col, label_col, text_pair_col=None, max_len=None,
+                 label_names=None):
+    records, _ = read_generic(path, (text_col, text_pair_col, label_col))
+    if label_names is None:
+        labels = set(r[3] for r in records)
+        if all(s.lstrip("-").isdigit() for s in labels):
+            label_names = sorted(labels, key=int)
+        else:
+            label_names = sorted(labels)
+    stats = {"truncated": 0}
+    index = {s: i for i, s in enumerate(label_names)}
+    examples = _labelled_examples(records, tok, max_len, index, stats)
+    return examples, label_names, stats["truncated"]
+
+# GLUE's nine tasks in their official folders (§4): the (text, pair, label) columns, by header
+# name or 0-based index (CoLA's files have none); the label strings in class order (None: STS-B's
+# regression); the official main metric; the dev splits, DIR/<split>.tsv.
 GLUE = {
     "cola": dict(cols=(3, None, 1), labels=["0", "1"], metric="mcc"),
     "sst2": dict(cols=("sentence", None, "label"), labels=["0", "1"]),
     "mrpc": dict(cols=("#1 String", "#2 String", "Quality"), labels=["0", "1"], metric="f1"),
     "stsb": dict(cols=("sentence1", "sentence2", "score"), labels=None, metric="pearson"),
     "qqp": dict(cols=("question1", "question2", "is_duplicate"), labels=["0", "1"], metric="f1"),
-    "mnli": dict(cols=("sentence1", "sentence2", "gold_label"), labels=["contradiction", "entailment", "neutral"],
+    "mnli": dict(cols=("sentence1", "sentence2", "gold_label"),
+                 labels=["contradiction", "entailment", "neutral"],
                  dev=("dev_matched", "dev_mismatched")),
     "qnli": dict(cols=("question", "sentence", "label"), labels=["entailment", "not_entailment"]),
     "rte": dict(cols=("sentence1", "sentence2", "label"), labels=["entailment", "not_entailment"]),
     "wnli": dict(cols=("sentence1", "sentence2", "label"), labels=["0", "1"]),
 }
-GLUE = {name: {"dev": ("dev",), "metric": "acc", **spec} for name, spec in GLUE.items()}   # the defaults
+# the defaults: one dev split named "dev", scored by accuracy
+GLUE = {name: {"dev": ("dev",), "metric": "acc", **spec} for name, spec in GLUE.items()}
 
-def read_jsonl(path, cols):
-    """[(where, text, pair, label)] of a JSONL file: a line is an object (columns by key, or by index in key
-    order) or a list; values are read as text (a label 1 as "1")."""
-    records = []
-    for line, s in enumerate(io.StringIO(read_text(path), newline=None), 1):
-        if not s.strip():
-            continue
-        try:
-            obj = json.loads(s)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{line}: invalid JSON ({e.msg})") from None
-        values, got = list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, list) else [], []
-        for c in cols:
-            try:                                                   # by key (an object) or by index
-                got.append(None if c is None else str(obj[c] if isinstance(c, str) else values[c]))
-            except (KeyError, IndexError, TypeError):             # (or the line is no object or list)
-                raise DataError(f"{path}:{line}: no column {c!r} (a line is a JSON object or list)") from None
-        records.append((f"{path}:{line}", *got))
-    if not records:
-        raise DataError(f"{path}:1: empty file")
-    return records
+# The readers share one signature with those of readers/: (name, data_dir, tok, *, max_len,
+# train_file, dev_file, text_col, text_pair_col, label_col) -> TaskData.
 
-def read_generic(path, cols, skip_bad_rows=False):
-    """([(where, text, pair, label)], skipped FILE:LINEs) of a labelled .tsv (no quoting, as GLUE), .csv or
-    .jsonl file. cols: (text, pair or None, label), header names or 0-based indices; a TSV / CSV file has a
-    header row exactly when a column is a name. skip_bad_rows: skip rows of the wrong length (QQP)."""
-    if cols[0] is None or cols[2] is None:                         # --task tsv with a column flag missing
-        raise DataError(f"{path}: --task tsv needs --text-col and --label-col (header names or 0-based indices)")
-    flags = ("--text-col", "--text-pair-col", "--label-col")
-    cols = [int(c) if isinstance(c, str) and c.strip().lstrip("-").isdigit() else c for c in cols]   # "3" -> 3
-    for col, flag in zip(cols, flags):
-        if isinstance(col, int) and col < 0:                      # no counting from the end
-            raise DataError(f"{flag} {col}: a column is a header name or a 0-based index (>= 0)")
-    ext = os.path.splitext(path)[1].lower()
-    if ext in (".jsonl", ".json"):
-        return read_jsonl(path, cols), []
-    rows = read_rows(path, ",", csv.QUOTE_MINIMAL) if ext == ".csv" else read_rows(path)
-    head = [h.strip() for h in rows.pop(0)[1]] if any(isinstance(c, str) for c in cols) else None
-    if not rows:
-        raise DataError(f"{path}:2: no rows after the header")
-    (ti, pi, li), ncols = [_column(head, c, path) if c is not None else None for c in cols], len(head or rows[0][1])
-    for flag, i in zip(flags, (ti, pi, li)):                      # every row has ncols columns (below)
-        if i is not None and i >= ncols:
-            raise DataError(f"{path}:{rows[0][0]}: {flag} asks for column {i} (0-based), but the line has "
-                            f"{ncols} column{'s' * (ncols != 1)}")
-    records, skipped = [], []
-    for line, row in rows:
-        if len(row) != ncols and skip_bad_rows:                   # QQP: as transformers' GLUE processor
-            skipped.append(f"{path}:{line}")
-        elif len(row) != ncols:
-            raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
-        else:
-            records.append((f"{path}:{line}", row[ti], row[pi] if pi is not None else None, row[li].strip()))
-    return records, skipped
-
-def load_generic(path, tok, *, text_col, label_col, text_pair_col=None, max_len=None, label_names=None):
-    """(examples, label_names, n_truncated) of a labelled file. label_names None (a training file): its own
-    labels, numerically if all are integers ("2" < "10"); a dev file passes the training file's."""
-    records, _ = read_generic(path, (text_col, text_pair_col, label_col))
-    if label_names is None:
-        labels = set(r[3] for r in records)
-        label_names = sorted(labels, key=int) if all(s.lstrip("-").isdigit() for s in labels) else sorted(labels)
-    stats = {"truncated": 0}
-    examples = _labelled_examples(records, tok, max_len, {s: i for i, s in enumerate(label_names)}, stats)
-    return examples, label_names, stats["truncated"]
-
-def _find_split(folder, stem):                                   # DIR/train.tsv, .csv or .jsonl
-    found = [p for p in (os.path.join(folder, stem + e) for e in (".tsv", ".csv", ".jsonl")) if os.path.isfile(p)]
-    if not found:
-        raise DataError(f"{folder}: no {stem}.tsv, {stem}.csv or {stem}.jsonl")
-    return found[0]
-
-# ---- 3. The task table: each task's reader, the objective train.py trains it with, how the console shows it --
-# A reader: (name, data_dir, tok, *, max_len, train_file, dev_file, text_col, text_pair_col, label_col) -> TaskData.
-
+# GLUE: DIR/train.tsv and the task's dev splits, or --train-file and --dev-file. QQP's rows with
+# missing columns are skipped and reported, as transformers' GLUE processor skips them.
 def load_glue(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
-    spec, stats, skipped, out = GLUE[name], {"truncated": 0}, [], {}
-    index = {s: i for i, s in enumerate(spec["labels"])} if spec["labels"] else None   # None: STS-B's scores
+    spec = GLUE[name]
+    labels = spec["labels"]
+    index = {s: i for i, s in enumerate(labels)} if labels else None     # None: STS-B's scores
     paths = {"train": train_file or os.path.join(data_dir, "train.tsv")}
-    paths |= {"dev": dev_file} if dev_file else {s: os.path.join(data_dir, s + ".tsv") for s in spec["dev"]}
+    if dev_file:
+        paths["dev"] = dev_file
+    else:
+        paths.update({s: os.path.join(data_dir, s + ".tsv") for s in spec["dev"]})
+    stats = {"truncated": 0}
+    skipped = []
+    out = {}
     for split, path in paths.items():
-        records, more = read_generic(path, spec["cols"], skip_bad_rows=name == "qqp")   # QQP's short rows
-        out[split], skipped = _labelled_examples(records, tok, max_len, index, stats), skipped + more
-    return TaskData(out.pop("train"), out, len(index or [0]), index is None, spec["metric"],
-                    list(spec["labels"] or []), stats["truncated"], skipped)
+        records, more = read_generic(path, spec["cols"], skip_bad_rows=name == "qqp")
+        out[split] = _labelled_examples(records, tok, max_len, index, stats)
+        skipped += more
+    train = out.pop("train")
+    return TaskData(train, out, len(index or [0]), index is None, spec["metric"],
+                    list(labels or []), stats["truncated"], skipped)
 
+# --task tsv: DIR/train.* and DIR/dev.* (.tsv, .csv or .jsonl), the columns --text-col,
+# --text-pair-col and --label-col name; the classes are the training file's labels.
 def load_tsv(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
-    train, labels, n1 = load_generic(train_file or _find_split(data_dir, "train"), tok, max_len=max_len, **columns)
-    dev, _, n2 = load_generic(dev_file or _find_split(data_dir, "dev"), tok, max_len=max_len, label_names=labels,
-                              **columns)                          # a label unseen in training is an error
-    return TaskData(train, {"dev": dev}, len(labels), False, "acc", labels, n1 + n2)
+    train_path = train_file or _find_split(data_dir, "train")
+    train, labels, n_train = load_generic(train_path, tok, max_len=max_len, **columns)
+    dev_path = dev_file or _find_split(data_dir, "dev")
+    dev, _, n_dev = load_generic(dev_path, tok, max_len=max_len, label_names=labels, **columns)
+    return TaskData(train, {"dev": dev}, len(labels), False, "acc", labels, n_train + n_dev)
 
+# ListOps: LRA's basic_train.tsv and basic_val.tsv (Source<TAB>Target, as section 6 writes them),
+# ten classes (the digits); ListOps' own tokenizer unless one is given.
 def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
-    tok, stats, digits = tok or ListOpsTokenizer(), {"truncated": 0}, {str(d): d for d in range(10)}
-    read = lambda path: _labelled_examples(read_generic(path, ("Source", None, "Target"))[0], tok, max_len,
-                                           digits, stats)         # LRA's basic_*.tsv: Source<TAB>Target
-    train = read(train_file or os.path.join(data_dir, "basic_train.tsv"))
-    dev = read(dev_file or os.path.join(data_dir, "basic_val.tsv"))
-    return TaskData(train, {"dev": dev}, 10, False, "acc", list(digits), stats["truncated"])
+    tok = tok or ListOpsTokenizer()
+    stats = {"truncated": 0}
+    digits = {str(d): d for d in range(10)}
+    split = {}
+    paths = {"train": train_file or os.path.join(data_dir, "basic_train.tsv"),
+             "dev": dev_file or os.path.join(data_dir, "basic_val.tsv")}
+    for which, path in paths.items():
+        records, _ = read_generic(path, ("Source", None, "Target"))
+        split[which] = _labelled_examples(records, tok, max_len, digits, stats)
+    return TaskData(split["train"], {"dev": split["dev"]}, 10, False, "acc", list(digits),
+                    stats["truncated"])
 
-def elsewhere(name):                                               # on first use: the six never load readers/
-    from readers import lra, mlm, qa
-    return {"squad": qa, "mlm": mlm}.get(name, lra)
-
-def load_elsewhere(name, data_dir, tok, **files):
-    return elsewhere(name).load(name, data_dir, tok, **files)
-
+# A task's entry in the table: how train.py trains it and the console shows it.
+#   load       its reader above; None for the tasks readers/ reads (LRA's other four, SQuAD,
+#              masked LM): train.py picks their module where it picks the task (train.reader),
+#              since data.py imports none of them
+#   objective  train.py's loss: "classify" (cross-entropy; MSE for STS-B), "pair" (LRA Retrieval's
+#              two documents), "mlm" (masked LM) or "span" (extractive QA)
+#   metric     the main dev metric, which picks the best checkpoint (a key of compute_metrics)
+#   max_len    --max-len when it is not given (LRA: LRA's input lengths + [cls])
+#   tokenizer  the task's own vocabulary; None: the checkpoint's, or from scratch a SentencePiece
+#              model of training_texts (train_sentencepiece)
+#   percent    the metrics the console shows as percents, after multiplying by `scale` (SQuAD's
+#              exact match and F1 are percents already)
 @dataclass(frozen=True)
 class Task:
-    load: callable                  # the reader (signature above)
-    objective: str = "classify"     # train.py's loss: "classify" (CE; MSE for STS-B), "pair", "mlm" or "span"
-    metric: str = "acc"             # the main dev metric (the best checkpoint's), a key of compute_metrics
-    max_len: int = 512              # --max-len when not given (LRA: LRA's input lengths + [cls])
-    tokenizer: type = None          # the task's own vocabulary; None: the checkpoint's, or from scratch a
-                                    # SentencePiece model of training_texts (train_sentencepiece)
-    percent: tuple = ("acc", "f1")  # metrics the console shows as percents ...
-    scale: float = 100.0            # ... after multiplying by this (SQuAD's EM / F1 are percents already)
+    load: callable = None
+    objective: str = "classify"
+    metric: str = "acc"
+    max_len: int = 512
+    tokenizer: type = None
+    percent: tuple = ("acc", "f1")
+    scale: float = 100.0
+
     @property
-    def head(self):                 # model.Config.head
+    def head(self):                                 # model.Config.head
         return {"pair": "pair", "span": "span"}.get(self.objective, "cls")
 
 TASKS = {
     **{name: Task(load_glue, metric=spec["metric"]) for name, spec in GLUE.items()},
-    "tsv": Task(load_tsv),                                         # any labelled file (--text-col, --label-col)
+    "tsv": Task(load_tsv),                          # --text-col, --text-pair-col, --label-col
     "listops": Task(load_listops, tokenizer=ListOpsTokenizer),
-    "lra-text": Task(load_elsewhere, max_len=4001, tokenizer=ByteTokenizer),         # 4,000 bytes + [cls]
-    "lra-retrieval": Task(load_elsewhere, "pair", max_len=4001, tokenizer=ByteTokenizer),   # per document
-    "lra-image": Task(load_elsewhere, max_len=1025, tokenizer=ByteTokenizer),        # 32 x 32 pixels + [cls]
-    "lra-pathfinder": Task(load_elsewhere, max_len=1025, tokenizer=ByteTokenizer),
-    "squad": Task(load_elsewhere, "span", metric="f1", percent=("em", "f1"), scale=1.0),
-    "mlm": Task(load_elsewhere, "mlm", metric="loss", percent=()),     # readers/mlm.py
+    # readers/lra.py: bytes or pixels, LRA's lengths + [cls] (a Retrieval pair: per document)
+    "lra-text": Task(max_len=4001, tokenizer=ByteTokenizer),
+    "lra-retrieval": Task(objective="pair", max_len=4001, tokenizer=ByteTokenizer),
+    "lra-image": Task(max_len=1025, tokenizer=ByteTokenizer),           # 32 x 32 pixels + [cls]
+    "lra-pathfinder": Task(max_len=1025, tokenizer=ByteTokenizer),
+    # readers/qa.py and readers/mlm.py
+    "squad": Task(objective="span", metric="f1", percent=("em", "f1"), scale=1.0),
+    "mlm": Task(objective="mlm", metric="loss", percent=()),
 }
 
 def task_entry(name):
@@ -500,151 +698,223 @@ def task_entry(name):
         raise DataError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
     return TASKS[name]
 
-def load_task(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, text_col=None, text_pair_col=None,
-              label_col=None):
-    """TaskData of any task (methods.md §4): its entry's reader on DIR (or --train-file / --dev-file)."""
-    return task_entry(name).load(name, data_dir, tok, max_len=max_len, train_file=train_file, dev_file=dev_file,
-                                 text_col=text_col, text_pair_col=text_pair_col, label_col=label_col)
+# TaskData of one of data.py's tasks: its entry's reader on DIR (or on --train-file / --dev-file).
+def load_task(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, text_col=None,
+              text_pair_col=None, label_col=None):
+    entry = task_entry(name)
+    if entry.load is None:
+        raise DataError(f"task {name!r} is read by a module of readers/ (train.reader picks it), "
+                        "not by data.py")
+    return entry.load(name, data_dir, tok, max_len=max_len, train_file=train_file,
+                      dev_file=dev_file, text_col=text_col, text_pair_col=text_pair_col,
+                      label_col=label_col)
 
-def fixed_tokenizer(name):      # the tokenizer the task's inputs define (ListOps symbols, LRA bytes), or None
+# The tokenizer a task's inputs define (ListOps' symbols, LRA's bytes), or None.
+def fixed_tokenizer(name):
     make = task_entry(name).tokenizer
     return make() if make is not None else None
 
-def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=None, text_pair_col=None,
-                   label_col=None):
-    """The raw training texts (both sides of pairs) a from-scratch SentencePiece model is trained on."""
-    if name in ("squad", "mlm"):
-        return elsewhere(name).training_texts(name, data_dir, train_file=train_file)
+# The raw training texts of a GLUE or --task tsv file, both sides of a pair: what a from-scratch
+# SentencePiece model is trained on. (readers/qa.py and readers/mlm.py have their own.)
+def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=None,
+                   text_pair_col=None, label_col=None):
     if name not in GLUE and name != "tsv":
         raise DataError(f"task {name!r} has no text to train a tokenizer on")
-    cols = GLUE[name]["cols"] if name in GLUE else (text_col, text_pair_col, label_col)
-    path = train_file or (os.path.join(data_dir, "train.tsv") if name in GLUE else _find_split(data_dir, "train"))
-    return [t for _, text, pair, _ in read_generic(path, cols, name == "qqp")[0] for t in (text, pair) if t]
+    if name in GLUE:
+        cols = GLUE[name]["cols"]
+        path = train_file or os.path.join(data_dir, "train.tsv")
+    else:
+        cols = (text_col, text_pair_col, label_col)
+        path = train_file or _find_split(data_dir, "train")
+    records, _ = read_generic(path, cols, name == "qqp")
+    return [t for _, text, pair, _ in records for t in (text, pair) if t]
 
-# ---- 4. Batching: deterministic length buckets, dynamic padding --------------------------------------------
+# -----------------------------------------------------------------------------
+# 4. Batches: Examples -> padded tensors (methods.md §4)
+#
+# A batch is padded to its own longest example, and examples of similar length share a batch: an
+# epoch shuffles the examples, sorts them by length within chunks of bucket_batches batches, cuts
+# those into batches and shuffles the batches. The order is a function of (seed, epoch) alone, so
+# a resumed run takes exactly the batches the stopped run would have; the model pads further, to a
+# multiple of the attention's block size.
 
-def autocast(device):          # the precision batches run in: bf16 autocast on CUDA, fp32 on the CPU
+# The precision a batch runs in: bf16 autocast on CUDA, full fp32 on the CPU.
+def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
+# The batch of a list of Examples: input_ids, attention_mask (1 = a real token), token_type_ids,
+# each [B, L] with L the longest example rounded up to multiple_of; labels [B], floats for a
+# regression. PairExamples: both documents of every pair padded to one L, [B, 2, L].
 def collate(examples, pad_id, multiple_of=1):
-    """The batch dict: input_ids, attention_mask, token_type_ids [B, L] padded to the longest example (rounded
-    up to multiple_of), labels [B]. PairExamples: both documents padded to one L, [B, 2, L] (flatten_pairs)."""
     if isinstance(examples[0], PairExample):
-        flat = collate([Example(d, None, e.label) for e in examples for d in (e.ids, e.ids2)], pad_id, multiple_of)
-        return {**{k: v.view(len(examples), 2, -1) for k, v in flat.items() if k != "labels"},   # [B, 2, L]
-                "labels": flat["labels"][::2]}                     # pair i was rows 2i, 2i + 1; labels [B]
-    B, L = len(examples), -(-max(len(e.ids) for e in examples) // multiple_of) * multiple_of
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)          # [B, L]
-    attention_mask = torch.zeros((B, L), dtype=torch.long)            # [B, L], 1 = a real token
-    token_type_ids = torch.zeros((B, L), dtype=torch.long)            # [B, L]
+        # pair i becomes rows 2i and 2i + 1 of one flat batch, then each tensor is folded back
+        docs = [Example(d, None, e.label) for e in examples for d in (e.ids, e.ids2)]
+        flat = collate(docs, pad_id, multiple_of)
+        batch = {k: v.view(len(examples), 2, -1) for k, v in flat.items() if k != "labels"}
+        batch["labels"] = flat["labels"][::2]       # [B]
+        return batch
+    B = len(examples)
+    longest = max(len(e.ids) for e in examples)
+    L = -(-longest // multiple_of) * multiple_of    # rounded up
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)  # [B, L]
+    attention_mask = torch.zeros((B, L), dtype=torch.long)    # [B, L]
+    token_type_ids = torch.zeros((B, L), dtype=torch.long)    # [B, L]
     for i, e in enumerate(examples):
-        input_ids[i, :len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)   # a list, or LRA's numpy array
-        attention_mask[i, :len(e.ids)] = 1
-        token_type_ids[i, :len(e.ids)] = torch.tensor(e.type_ids or [0] * len(e.ids), dtype=torch.long)
+        n = len(e.ids)
+        input_ids[i, :n] = torch.tensor(e.ids, dtype=torch.long)   # a list, or LRA's numpy array
+        attention_mask[i, :n] = 1
+        token_type_ids[i, :n] = torch.tensor(e.type_ids or [0] * n, dtype=torch.long)
     regression = any(isinstance(e.label, float) for e in examples)    # STS-B's scores
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
-            "labels": torch.tensor([e.label for e in examples], dtype=torch.float if regression else torch.long)}
+    label_type = torch.float if regression else torch.long
+    labels = torch.tensor([e.label for e in examples], dtype=label_type)      # [B]
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "token_type_ids": token_type_ids, "labels": labels}
 
-def flatten_pairs(batch):      # [B, 2, L] -> [2B, L], pair i in rows 2i and 2i + 1 (model.PairHead pairs them back)
+# LRA Retrieval's [B, 2, L] -> [2B, L], pair i in rows 2i and 2i + 1 (model.PairHead re-pairs).
+def flatten_pairs(batch):
     return {k: v.flatten(0, 1) if k != "labels" else v for k, v in batch.items()}
 
+# An epoch's batches as lists of example indices, a function of (seed, epoch) only (exact resume).
+# shuffle=False gives the examples in order, as evaluation wants them.
 def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches=50):
-    """An epoch's batches as lists of example indices, a function of (seed, epoch) only (exact resume);
-    shuffle=False: in order (evaluation)."""
     order = list(range(len(lengths)))
     if shuffle:
-        rng = np.random.default_rng([seed, epoch])                    # shuffle, then sort by length within
-        order = [int(i) for i in rng.permutation(len(lengths))]       # chunks of bucket_batches batches:
-        chunk = batch_size * bucket_batches                          # similar lengths share a batch
-        order = [i for s in range(0, len(order), chunk) for i in sorted(order[s:s + chunk], key=lambda j: lengths[j])]
+        rng = np.random.default_rng([seed, epoch])
+        order = [int(i) for i in rng.permutation(len(lengths))]
+        # similar lengths share a batch: sorted by length within chunks of bucket_batches batches
+        chunk = batch_size * bucket_batches
+        buckets = [sorted(order[s:s + chunk], key=lambda j: lengths[j])
+                   for s in range(0, len(order), chunk)]
+        order = [i for bucket in buckets for i in bucket]
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    return [batches[int(i)] for i in rng.permutation(len(batches))] if shuffle else batches   # batches shuffled
+    if not shuffle:
+        return batches
+    return [batches[int(i)] for i in rng.permutation(len(batches))]   # the batches shuffled
 
+# Evaluation's order, longest first: little padding, and a batch too large for the device fails at
+# once. Safe: an output does not depend on the padding beside it, and metrics pair each prediction
+# with its own label.
 def longest_first(examples):
-    # evaluation order: little padding per batch, and a batch too large for the device fails at once (safe: an
-    # output does not depend on the padding beside it, and every metric pairs a prediction with its label)
     return sorted(examples, key=lambda e: len(e.ids), reverse=True)
 
-def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1, bucket_batches=50):
-    """Every batch of batch_plan, padded (dev sets and tests; the loop pads its batches one at a time)."""
-    plan = batch_plan([len(e.ids) for e in examples], batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
+# Every batch of batch_plan, padded: for dev sets and tests (the loop pads one batch at a time).
+def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1,
+                 bucket_batches=50):
+    lengths = [len(e.ids) for e in examples]
+    plan = batch_plan(lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
                       bucket_batches=bucket_batches)
     return [collate([examples[i] for i in b], pad_id, multiple_of) for b in plan]
 
-# ---- 5. Metrics (numpy, by hand): the official GLUE metrics (methods.md §4) -----------------------------------
+# -----------------------------------------------------------------------------
+# 5. Metrics: GLUE's official metrics, by hand in numpy (methods.md §4)
+#
+# Matthews correlation for CoLA; Pearson and Spearman for STS-B (its main metric "corr" is their
+# mean); F1 of class 1 and accuracy for MRPC and QQP; accuracy for the rest. Each is its formula
+# (tests/test_data.py checks examples worked by hand); an undefined correlation is 0, as sklearn's.
 
 def accuracy(preds, labels):
     return float(np.mean(np.asarray(preds) == np.asarray(labels)))
 
+# F1 = 2 tp / (2 tp + fp + fn) of the class 1; 0 when nothing is positive in either.
 def f1_binary(preds, labels):
-    p, y = np.asarray(preds) == 1, np.asarray(labels) == 1
-    tp, fp, fn = np.sum(p & y), np.sum(p & ~y), np.sum(~p & y)
-    return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn > 0 else 0.0   # F1 = 2 tp / (2 tp + fp + fn)
+    p = np.asarray(preds) == 1
+    y = np.asarray(labels) == 1
+    tp = np.sum(p & y)
+    fp = np.sum(p & ~y)
+    fn = np.sum(~p & y)
+    return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn > 0 else 0.0
 
+# Matthews correlation of the K x K confusion matrix C[true, predicted]: with t and p the true and
+# predicted counts per class, c the hits and s the total,
+#   MCC = (c s - t.p) / sqrt((s² - p.p) (s² - t.t)),
+# which for K = 2 is the familiar (tp tn - fp fn) / sqrt((tp + fp)(tp + fn)(tn + fp)(tn + fn)).
 def matthews_corrcoef(preds, labels):
-    """MCC of the K x K confusion matrix C (0 when undefined, as sklearn); K = 2: (tp tn - fp fn) / sqrt(...)."""
-    preds, labels = np.asarray(preds, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    preds = np.asarray(preds, dtype=np.int64)
+    labels = np.asarray(labels, dtype=np.int64)
     k = int(max(preds.max(initial=0), labels.max(initial=0))) + 1
     C = np.zeros((k, k), dtype=np.float64)
-    np.add.at(C, (labels, preds), 1)                                   # C[true, predicted] += 1
-    t, p, c, s = C.sum(1), C.sum(0), np.trace(C), C.sum()              # true / predicted counts, hits, all
+    np.add.at(C, (labels, preds), 1)                # C[true, predicted] += 1
+    t = C.sum(1)                                    # [K] how often each class is true
+    p = C.sum(0)                                    # [K] how often each is predicted
+    c = np.trace(C)                                 # the hits
+    s = C.sum()                                     # every example
     denom = np.sqrt((s * s - p @ p) * (s * s - t @ t))
-    return float((c * s - t @ p) / denom) if denom > 0 else 0.0       # (c s - t.p) / sqrt((s²-p.p)(s²-t.t))
+    return float((c * s - t @ p) / denom) if denom > 0 else 0.0
 
+# Pearson's r = sum dx dy / sqrt(sum dx² sum dy²), dx and dy the deviations from the means.
 def pearson(x, y):
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    dx, dy = x - x.mean(), y - y.mean()
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    dx = x - x.mean()
+    dy = y - y.mean()
     denom = np.sqrt(np.sum(dx * dx) * np.sum(dy * dy))
-    return float(np.sum(dx * dy) / denom) if denom > 0 else 0.0     # r = sum dx dy / sqrt(sum dx² sum dy²)
+    return float(np.sum(dx * dy) / denom) if denom > 0 else 0.0
 
-def average_ranks(x):           # ranks 1..n, ties share the mean of theirs: [10, 20, 20, 30] -> [1, 2.5, 2.5, 4]
+# Ranks 1..n, ties sharing the mean of their ranks: [10, 20, 20, 30] -> [1, 2.5, 2.5, 4].
+def average_ranks(x):
     _, inverse, counts = np.unique(np.asarray(x), return_inverse=True, return_counts=True)
-    end = np.cumsum(counts)                                            # the last rank of each distinct value
-    return ((end - counts + 1 + end) / 2.0)[inverse.reshape(-1)]       # the mean of its first and last rank
+    last = np.cumsum(counts)                        # each distinct value's last rank
+    first = last - counts + 1                       # ... and its first
+    return ((first + last) / 2.0)[inverse.reshape(-1)]
 
+# Spearman's rho: Pearson's r of the ranks.
 def spearman(x, y):
-    return pearson(average_ranks(x), average_ranks(y))                 # rho = Pearson r of the ranks
+    return pearson(average_ranks(x), average_ranks(y))
 
+# A task's official metrics, its main one among them. preds: class ids or logits [N, K] (argmax
+# taken); STS-B: scores [N] or [N, 1]. QA and masked LM have their own evaluation (readers/).
 def compute_metrics(task_name, preds, labels):
-    """The task's official metrics, by its main metric. preds: class ids or logits [N, K] (argmax taken);
-    STS-B: scores [N] or [N, 1]. MNLI: once per dev split."""
     entry = task_entry(task_name)
-    if entry.objective not in ("classify", "pair"):                   # squad, mlm: their own evaluation
+    if entry.objective not in ("classify", "pair"):
         raise DataError(f"task {task_name!r} is scored by its own evaluation, not compute_metrics")
-    preds, labels = np.asarray(preds), np.asarray(labels)
-    if entry.metric == "pearson":                                     # STS-B
-        pr, sr = pearson(preds.reshape(-1), labels), spearman(preds.reshape(-1), labels)
+    preds = np.asarray(preds)
+    labels = np.asarray(labels)
+    if entry.metric == "pearson":                   # STS-B
+        pr = pearson(preds.reshape(-1), labels)
+        sr = spearman(preds.reshape(-1), labels)
         return {"pearson": pr, "spearman": sr, "corr": (pr + sr) / 2}
-    preds = preds.argmax(-1) if preds.ndim == 2 else preds
-    if entry.metric == "mcc":                                         # CoLA
+    if preds.ndim == 2:
+        preds = preds.argmax(-1)
+    if entry.metric == "mcc":                       # CoLA
         return {"mcc": matthews_corrcoef(preds, labels), "acc": accuracy(preds, labels)}
-    if entry.metric == "f1":                                          # MRPC, QQP
+    if entry.metric == "f1":                        # MRPC, QQP
         return {"f1": f1_binary(preds, labels), "acc": accuracy(preds, labels)}
     return {"acc": accuracy(preds, labels)}
 
-# ---- 6. The LRA ListOps generator (methods.md §4; the Long Range Arena recipe, lra_benchmarks/data/listops.py) -
+# -----------------------------------------------------------------------------
+# 6. The ListOps generator (methods.md §4; LRA's lra_benchmarks/data/listops.py)
+#
+# An expression is a tree of operators over the digits 0-9: [MIN, [MAX, [MED (median) and [SM (sum
+# modulo 10), each closed by "]"; its label is its value. From the root, a node is an operator with
+# probability 0.25 (a leaf at the maximum depth), taking 2 to max_args arguments drawn before the
+# operator, as LRA draws them. The length counts what the model reads, 1 per value and 2 per
+# operator (it and its "]"); LRA's source also has parentheses, "( ( ( [MAX 2 ) 9 ) ] )", which the
+# tokenizer drops. Trees outside the length range and duplicates are discarded.
 
 LISTOPS_OPS = ("[MIN", "[MAX", "[MED", "[SM")
-LISTOPS_VALUE_P = 0.25  # LRA: a node is an operator when random() <= 0.25, else a leaf (p = 0.75)
+LISTOPS_VALUE_P = 0.25          # LRA: a node is an operator when random() <= 0.25, else a leaf
 
 def _apply_op(op, values):
     if op == "[MED":
-        return int(np.median(values))    # an even count: int() of the mean of the middle two
+        return int(np.median(values))       # an even count: int() of the mean of the middle two
     if op == "[SM":
-        return sum(values) % 10          # sum modulo 10
+        return sum(values) % 10
     return min(values) if op == "[MIN" else max(values)
 
-def _render(op, args):          # LRA's left-branching tuples: [MAX 2 9] -> "( ( ( [MAX 2 ) 9 ) ] )"
+# LRA's left-branching tuples as text: [MAX 2 9] -> "( ( ( [MAX 2 ) 9 ) ] )".
+def _render(op, args):
     return "( " * (len(args) + 1) + op + "".join(" " + a + " )" for a in args) + " ] )"
 
+# One random expression as (source, length, value), or None once its length would pass `budget`:
+# that skips only the rest of a tree that would be discarded anyway (LRA's distribution, faster).
 def listops_tree(rng, depth, max_depth, max_args, budget=float("inf")):
-    """One random expression as (source, length, value), or None once its length would exceed budget.
-    length: 1 per value, 2 per operator (it and its ']'): the model's tokens, parentheses dropped. Stopping at
-    the budget only skips the rest of a tree that would be discarded anyway: LRA's distribution, faster."""
-    if (rng.random() if depth < max_depth else 1.0) > LISTOPS_VALUE_P:  # a leaf (always at max_depth)
+    draw = rng.random() if depth < max_depth else 1.0
+    if draw > LISTOPS_VALUE_P:                      # a leaf (always at max_depth)
         v = rng.randrange(10)
         return str(v), 1, v
-    args, values, length = [], [], 2
+    args = []
+    values = []
+    length = 2                                      # the operator and its "]"
     for _ in range(rng.randint(2, max_args)):
         sub = listops_tree(rng, depth + 1, max_depth, max_args, budget - length)
         if sub is None or length + sub[1] > budget:
@@ -652,58 +922,142 @@ def listops_tree(rng, depth, max_depth, max_args, budget=float("inf")):
         args.append(sub[0])
         values.append(sub[2])
         length += sub[1]
-    op = rng.choice(LISTOPS_OPS)  # LRA draws the operator after its arguments
+    op = rng.choice(LISTOPS_OPS)                    # LRA draws it after its arguments
     return _render(op, args), length, _apply_op(op, values)
 
-def generate_listops(n, min_len, max_len, seed, max_depth=10, max_args=10, progress=False, max_misses=1_000_000):
-    """n distinct (source, label) with min_len < length < max_len (LRA's exclusive bounds). Trees are drawn
-    from the root at depth 1 and duplicates discarded (LRA keeps a set): samples are unique across splits."""
+# n distinct (source, label) with min_len < length < max_len (LRA's exclusive bounds), drawn from
+# the root at depth 1. No new tree in max_misses draws in a row (the range is exhausted, or has no
+# possible length) is an error, not an endless loop.
+def generate_listops(n, min_len, max_len, seed, max_depth=10, max_args=10, progress=False,
+                     max_misses=1_000_000):
     if max_args < 2 or max_depth < 1:
-        raise DataError(f"ListOps needs max_args >= 2 and max_depth >= 1 (got {max_args}, {max_depth})")
-    rng, seen, out, misses = random.Random(seed), set(), [], 0
+        raise DataError(f"ListOps needs max_args >= 2 and max_depth >= 1 (got {max_args}, "
+                        f"{max_depth})")
+    rng = random.Random(seed)
+    seen = set()                                    # LRA keeps a set: no duplicates
+    out = []
+    misses = 0
     with tqdm(total=n, desc="listops", disable=not progress) as bar:
         while len(out) < n:
             tree = listops_tree(rng, 1, max_depth, max_args, budget=max_len - 1)
-            if tree is not None and tree[1] > min_len and tree[0] not in seen:   # LRA: min_len < length
+            if tree is not None and tree[1] > min_len and tree[0] not in seen:
                 seen.add(tree[0])
                 out.append((tree[0], int(tree[2])))
                 bar.update(1)
                 misses = 0
-            elif (misses := misses + 1) >= max_misses:   # the range is exhausted (or holds no possible length)
-                raise DataError(f"ListOps: no new sample with {min_len} < length < {max_len} in {max_misses} "
-                                f"draws after {len(out)} samples; widen the range or lower the counts")
+                continue
+            misses += 1
+            if misses >= max_misses:
+                raise DataError(f"ListOps: no new sample with {min_len} < length < {max_len} "
+                                f"in {max_misses} draws after {len(out)} samples; widen the "
+                                "range or lower the counts")
     return out
 
-def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, max_len=2000, seed=0,
-                  max_depth=10, max_args=10, progress=False):
-    """OUT/basic_{train,val,test}.tsv with header Source<TAB>Target (LRA's layout); returns the three paths."""
-    rows = generate_listops(n_train + n_val + n_test, min_len, max_len, seed, max_depth, max_args, progress)
-    splits = {"train": rows[:n_train], "val": rows[n_train:n_train + n_val], "test": rows[n_train + n_val:]}
+# OUT/basic_{train,val,test}.tsv, header Source<TAB>Target (LRA's layout); returns the paths.
+def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, max_len=2000,
+                  seed=0, max_depth=10, max_args=10, progress=False):
+    rows = generate_listops(n_train + n_val + n_test, min_len, max_len, seed, max_depth, max_args,
+                            progress)
+    splits = {"train": rows[:n_train],
+              "val": rows[n_train:n_train + n_val],
+              "test": rows[n_train + n_val:]}
     os.makedirs(out_dir, exist_ok=True)
     paths = {split: os.path.join(out_dir, f"basic_{split}.tsv") for split in splits}
     for split, part in splits.items():
         with open(paths[split], "w", encoding="utf-8", newline="") as f:
-            csv.writer(f, delimiter="\t", lineterminator="\n").writerows([["Source", "Target"], *part])
+            writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+            writer.writerows([["Source", "Target"], *part])
     return paths
 
-# ---- The command line: python data.py listops OUT_DIR [--train N ...] ----------------------------------------
+# -----------------------------------------------------------------------------
+# 7. Plumbing: one-line errors, the lock on --out, the command line
+#
+# A bad flag, file or checkpoint ends a run with one line that names it, not a traceback. Readers
+# raise DataError("FILE:LINE: what is wrong"); every entry point runs inside one_line_errors, which
+# prints `error: MESSAGE` and exits 2. A `warning:` is printed once, not once per torchrun process.
 
+class DataError(ValueError):
+    """A problem with the user's files or flags; the message names the file (FILE:LINE) or flag."""
+
+def fail(msg, code=2):
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+def warn(msg):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tqdm.write(f"warning: {msg}", file=sys.stderr)
+
+# argparse's own errors (an unknown flag, a bad value) are one line too.
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(f"{message} (see {self.prog} --help)")
+
+# What user input can raise becomes one `error:` line: a DataError or a checkpoint error (both
+# ValueErrors), bad JSON, a missing file (OSError: its name and reason), a config lacking a field
+# (KeyError), a damaged safetensors file. Ctrl-C exits 130.
+@contextmanager
+def one_line_errors(interrupted="interrupted"):
+    try:
+        yield
+    except KeyboardInterrupt:
+        fail(interrupted, code=130)
+    except (ValueError, OSError, KeyError, SafetensorError) as e:
+        if isinstance(e, OSError):                  # no such file, disk full, ...
+            reason = e.strerror or e
+            fail(f"{e.filename}: {reason}" if e.filename else f"{reason}")
+        if isinstance(e, KeyError):
+            fail(f"missing field {e.args[0]!r} (a config or checkpoint from elsewhere?)")
+        text = str(e).strip()
+        fail(text.splitlines()[0] if text else type(e).__name__)
+
+# One run writes a --out folder at a time. A second run there (another terminal, or --resume or
+# --overwrite while the first still runs) would mix two runs' checkpoints and logs, so train.py
+# takes this lock before it removes or writes anything in --out and keeps the file open for the
+# run's life. flock is the kernel's lock and dies with its process: a run killed by SIGKILL leaves
+# only the file OUT/.lock, whose line is the pid of the last holder. Runs in one process follow one
+# another (tests call train.main many times; an old run's handle may live on in a traceback), so a
+# new lock first lets go of this process's earlier one on the same folder.
+_LOCKS = weakref.WeakValueDictionary()              # OUT/.lock -> this process's open file
+
+def lock_out(folder):
+    path = os.path.realpath(os.path.join(folder, ".lock"))
+    earlier = _LOCKS.pop(path, None)
+    if earlier is not None:
+        earlier.close()
+    f = open(path, "a+")                            # a+: not emptied before the lock is ours
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise DataError(f"--out {folder}: another run is using it (pid {pid}); wait for it or "
+                        "choose another --out") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _LOCKS[path] = f
+    return f
+
+# python data.py listops OUT_DIR [--train N ...]: counts are checked before minutes of generating.
 def main(argv=None):
     parser = ArgumentParser(description="attnreg data tools")
-    p = parser.add_subparsers(dest="command", required=True).add_parser(
-        "listops", help="generate LRA ListOps basic_{train,val,test}.tsv")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("listops", help="generate LRA ListOps basic_{train,val,test}.tsv")
     p.add_argument("out_dir")
-    for flag, default in (("train", 96000), ("val", 2000), ("test", 2000), ("min-len", 500), ("max-len", 2000),
-                          ("seed", 0), ("max-depth", 10), ("max-args", 10)):
+    defaults = {"train": 96000, "val": 2000, "test": 2000, "min-len": 500, "max-len": 2000,
+                "seed": 0, "max-depth": 10, "max-args": 10}
+    for flag, default in defaults.items():
         p.add_argument(f"--{flag}", type=int, default=default)
     args = parser.parse_args(argv)
-    if min(args.train, args.val, args.test, args.min_len, args.max_len) < 0:   # refused before minutes of work
+    if min(args.train, args.val, args.test, args.min_len, args.max_len) < 0:
         parser.error("--train, --val, --test, --min-len and --max-len must be >= 0")
     if args.train + args.val + args.test == 0:
         parser.error("--train, --val and --test are all 0: nothing to generate")
     with one_line_errors():
-        paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len, args.max_len, args.seed,
-                              args.max_depth, args.max_args, progress=True)
+        paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len,
+                              args.max_len, args.seed, args.max_depth, args.max_args,
+                              progress=True)
         print(" ".join(paths.values()))
 
 if __name__ == "__main__":

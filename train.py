@@ -152,6 +152,16 @@ def task_data_dir(args):                                 # --data, or for ListOp
     barrier()
     return folder
 
+# The module that reads a task's files: data.py for GLUE, --task tsv and ListOps; for LRA's other
+# four tasks, SQuAD and masked LM, a module of readers/, imported here on first use (data.py imports
+# no other module of the project). Each has load_task and training_texts; readers/qa.py and
+# readers/mlm.py also the loss and evaluate of their objective (section 3).
+def reader(task_name):
+    if data.TASKS[task_name].load is not None:
+        return data
+    from readers import lra, mlm, qa
+    return {"squad": qa, "mlm": mlm}.get(task_name, lra)
+
 def load_tokenizer(args, data_dir, stored_files):
     """The checkpoint's own, the task's fixed one (ListOps symbols, LRA bytes), or SentencePiece trained here."""
     if stored_files:
@@ -164,8 +174,8 @@ def load_tokenizer(args, data_dir, stored_files):
     if not is_main():
         barrier()                                        # rank 0 trains it first; the others then read its cache
     os.makedirs(folder, exist_ok=True)
-    tok = data.train_sentencepiece(data.training_texts(args.task, data_dir, **columns(args)),
-                                   os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    texts = reader(args.task).training_texts(args.task, data_dir, **columns(args))
+    tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
     if is_main():
         barrier()
     return tok
@@ -287,7 +297,7 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
 
 def objective(task_name):                                # (loss, evaluate) of the task: classify (LRA pairs too) ...
     if data.TASKS[task_name].objective in ("mlm", "span"):  # ... or masked LM / QA: readers/, loaded on first use
-        return data.elsewhere(task_name).loss, data.elsewhere(task_name).evaluate
+        return reader(task_name).loss, reader(task_name).evaluate
     return classify_loss, evaluate
 
 # --- 4. The optimizer (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
@@ -416,7 +426,8 @@ def setup(args):
     if args.max_len and args.max_len > limit:
         warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions grows it)")
     args.max_len = min(args.max_len or data.TASKS[args.task].max_len, limit)
-    r.task = data.load_task(args.task, data_dir, r.tok, max_len=args.max_len, **columns(args))
+    r.task = reader(args.task).load_task(args.task, data_dir, r.tok, max_len=args.max_len,
+                                         **columns(args))
     r.loss_fn, r.evaluate = objective(args.task)         # section 3
     # --- the model: the checkpoint's (converted weights + the flags given) or from scratch
     r.raw = make_model(args, r.tok, r.task, start)
@@ -443,10 +454,11 @@ def setup(args):
     r.optimizer = make_optimizer(r.raw, args, r.device)
     r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0, "dev": {},
                "saved_step": None}               # micro: the epoch's batches used; saved_step: in ckpt_last.pt
+    os.makedirs(args.out, exist_ok=True)
+    r.lock = data.lock_out(args.out) if is_main() else None   # one run at a time in --out (OUT/.lock)
     for path in r.paths.values() if is_main() and not args.resume else ():
         if os.path.exists(path):                         # the old run's files go only now, once all is ready
             os.remove(path)
-    os.makedirs(args.out, exist_ok=True)
     for f in os.listdir(args.out) if is_main() else ():  # a save killed mid-write leaves its temporary file
         if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
             os.remove(os.path.join(args.out, f))

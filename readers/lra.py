@@ -29,8 +29,9 @@ The files each reader expects (--data DIR):
 Grayscale (lra-image) is tf.image.rgb_to_grayscale as LRA calls it: y = 0.2989 R + 0.5870 G + 0.1140 B on
 [0, 1] floats, converted back to uint8 as TF does (multiply by 255.5, truncate).
 
-data.TASKS loads this module on first use (data.load_task("lra-text", ...)); the default --max-len of each task
-(LRA's lengths + [cls]: 4,001 for Text and each Retrieval document, 1,025 for Image and Pathfinder) is its entry's.
+train.py loads this module on first use (train.reader), and readers.lra.load_task("lra-text", DIR, tok, ...) reads a
+folder in Python; the default --max-len of each task (LRA's lengths + [cls]: 4,001 for Text and each Retrieval
+document, 1,025 for Image and Pathfinder) is its entry's in data.TASKS.
 How to run: python train.py --task lra-text --data aclImdb ...   (docs/tasks.md: every task)
 """
 import csv
@@ -249,7 +250,7 @@ def load_pathfinder(data_dir, tok, max_len):
 
 # -----------------------------------------------------------------------------
 
-def load(task, data_dir, tok, *, max_len, **files):
+def load_task(task, data_dir, tok, *, max_len, **files):
     """TaskData of an LRA task (its entry in data.TASKS). Image and Pathfinder need the pixel vocabulary.
     files (train.py's --train-file, --dev-file, column flags) do not apply: LRA's files are fixed."""
     if task in ("lra-image", "lra-pathfinder") and not isinstance(tok, ByteTokenizer):

@@ -1,8 +1,8 @@
 """readers/mlm.py: masked-LM pretraining on plain text: the reader, BERT's masking, the loss and its evaluation.
 
 What it is: `python train.py --task mlm --data DIR` pretrains (or keeps pretraining) an encoder on .txt files, a
-document a line, with BERT's objective. Not part of the course (the two papers fine-tune): data.TASKS["mlm"] and
-train.objective load this module on first use, as they load readers/qa.py for extractive QA.
+document a line, with BERT's objective. Not part of the course (the two papers fine-tune): train.py loads this
+module on first use (train.reader), as it loads readers/qa.py for extractive QA.
   - a line -> [cls] pieces [sep], cut into chunks of --max-len (each chunk counted as truncated);
   - mask_tokens: 15% of the real tokens selected; of those 80% -> [mask], 10% -> a random token, 10% kept;
   - loss = the mean cross-entropy over the selected tokens (model.MLMHead's logits); dev: the same with fixed masks.
@@ -49,7 +49,7 @@ def read_lines(paths, tok, max_len, stats):
     return examples
 
 
-def load(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
+def load_task(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
     (train_paths, dev_paths), stats = text_files(data_dir, train_file, dev_file), {"truncated": 0}
     train = read_lines(train_paths, tok, max_len, stats)
     if not train:
@@ -58,7 +58,7 @@ def load(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **colu
     return TaskData(train, dev, 0, False, "loss", [], stats["truncated"])
 
 
-def training_texts(name, data_dir, *, train_file=None, **files):     # the lines load trains on
+def training_texts(name, data_dir, *, train_file=None, **files):     # the lines load_task trains on
     return [s.strip() for p in text_files(data_dir, train_file)[0] for s in io.StringIO(read_text(p), newline=None)
             if s.strip()]
 

@@ -20,7 +20,7 @@ train-v1.1.json / dev-v1.1.json; TriviaQA and others are distributed in the same
 Every answer must be its context's text at answer_start (an integer). SQuAD 2.0's unanswerable questions
 ("is_impossible": true) are skipped, counted and reported; any other question without answers is an error.
 
-data.TASKS["squad"] loads this module on first use (load, training_texts); train.py takes its objective "span"
+train.py loads this module on first use (train.reader: load_task, training_texts) and takes its objective "span"
 from here: loss(model, batch, args, task, tok) and evaluate(raw, task, args, device, tok, shift_by=0).
 How to run: python train.py --task squad --data DIR --max-len 384 ...   (docs/tasks.md)
 """
@@ -205,7 +205,7 @@ def windows(item, tok, max_len, cache, stride=DOC_STRIDE):
         a += min(stride, budget)
 
 
-def load(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
+def load_task(task, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
     """TaskData of SQuAD-format train / dev files: windows of every answered question (head "span").
     columns (train.py's --text-col etc.) do not apply: the JSON format names its fields."""
     if tok is None or not hasattr(tok, "encode"):

@@ -107,7 +107,7 @@ def test_roberta_tokenizer_matches_transformers(roberta_dir, tmp_path):
     saved = tmp_path / "saved"
     hf.save_pretrained(str(saved))
     assert (saved / "tokenizer.json").exists()
-    ours = data.load_tokenizer(str(saved))  # tokenizer.json path (what every RoBERTa checkpoint ships)
+    ours = data.tokenizer_from_path(str(saved))  # tokenizer.json path (what every RoBERTa checkpoint ships)
     _assert_same(ours, hf)
     assert (ours.pad_id, ours.cls_id, ours.sep_id, ours.mask_id) == (
         hf.pad_token_id, hf.cls_token_id, hf.sep_token_id, hf.mask_token_id)
@@ -119,21 +119,21 @@ def test_roberta_tokenizer_matches_transformers(roberta_dir, tmp_path):
     assert ours.encode_plus(long_a, "the mat", max_len=12)[0] == ref and len(ref) == 12
     pt = tmp_path / "ck.pt"
     _save_pt(pt, ours)
-    _assert_same(data.load_tokenizer(str(pt)), hf)
+    _assert_same(data.tokenizer_from_path(str(pt)), hf)
     with pytest.raises(DataError, match="no supported tokenizer files"):   # vocab.json + merges.txt alone
-        data.load_tokenizer(str(roberta_dir))
+        data.tokenizer_from_path(str(roberta_dir))
 
 
 def test_bert_tokenizer_matches_transformers(bert_dir, tmp_path):
     from transformers import BertTokenizerFast
     hf = BertTokenizerFast.from_pretrained(str(bert_dir))
-    ours = data.load_tokenizer(str(bert_dir))  # vocab.txt path
+    ours = data.tokenizer_from_path(str(bert_dir))  # vocab.txt path
     _assert_same(ours, hf, with_types=True)
     ids, types = ours.encode_plus("the cat", "a dog")
     assert ids == [2, 5, 6, 3, 13, 7, 3] and types == [0, 0, 0, 0, 1, 1, 1]  # [CLS] A [SEP] B [SEP]
     assert (ours.pad_id, ours.cls_id, ours.sep_id, ours.mask_id, ours.vocab_size) == (0, 2, 3, 4, 41)
     hf.save_pretrained(str(tmp_path / "saved"))
-    _assert_same(data.load_tokenizer(str(tmp_path / "saved")), hf, with_types=True)
+    _assert_same(data.tokenizer_from_path(str(tmp_path / "saved")), hf, with_types=True)
     # truncation keeps the special tokens and the pair structure (HF longest_first)
     long_a = " ".join(["the cat"] * 20)
     ids, types = ours.encode_plus(long_a, "a dog", max_len=12)
@@ -147,7 +147,7 @@ def test_xlmr_sentencepiece_matches_transformers(xlmr_dir, tmp_path):
     # transformers 5 has no slow (sentencepiece) XLMRobertaTokenizer; from_pretrained converts the .model
     # with its XLMRobertaConverter (the fairseq id layout), which is the reference here
     hf = XLMRobertaTokenizer.from_pretrained(str(xlmr_dir))
-    ours = data.load_tokenizer(str(xlmr_dir))  # sentencepiece.bpe.model path
+    ours = data.tokenizer_from_path(str(xlmr_dir))  # sentencepiece.bpe.model path
     assert isinstance(ours, data.SentencePieceTokenizer)
     _assert_same(ours, hf)
     n = spm.SentencePieceProcessor(model_file=str(xlmr_dir / "sentencepiece.bpe.model")).get_piece_size()
@@ -156,9 +156,9 @@ def test_xlmr_sentencepiece_matches_transformers(xlmr_dir, tmp_path):
     assert ours.encode("a", "b")[:1] == [0] and ours.encode("a", "b").count(2) == 3
     assert ours.decode(ours.encode("the cat sat")) == "the cat sat"
     hf.save_pretrained(str(tmp_path / "saved"))
-    _assert_same(data.load_tokenizer(str(tmp_path / "saved")), hf)
+    _assert_same(data.tokenizer_from_path(str(tmp_path / "saved")), hf)
     _save_pt(tmp_path / "ck.pt", ours)
-    _assert_same(data.load_tokenizer(str(tmp_path / "ck.pt")), hf)
+    _assert_same(data.tokenizer_from_path(str(tmp_path / "ck.pt")), hf)
 
 
 def test_scratch_sentencepiece_and_listops_tokenizers(tmp_path):
@@ -176,7 +176,7 @@ def test_scratch_sentencepiece_and_listops_tokenizers(tmp_path):
     data.train_sentencepiece(_sentences()[::-1][:-1], prefix, vocab_size=70)  # other texts: a model of its own
     assert len(glob.glob(prefix + "-*.model")) == 2
     _save_pt(tmp_path / "a.pt", tok)
-    assert data.load_tokenizer(str(tmp_path / "a.pt")).encode("the dog ran", "x") == tok.encode("the dog ran", "x")
+    assert data.tokenizer_from_path(str(tmp_path / "a.pt")).encode("the dog ran", "x") == tok.encode("the dog ran", "x")
     with pytest.raises(DataError, match="sentencepiece"):
         data.train_sentencepiece(["a b"], str(tmp_path / "tiny"), vocab_size=5000)
 
@@ -185,7 +185,7 @@ def test_scratch_sentencepiece_and_listops_tokenizers(tmp_path):
     assert ids == [lo.cls_id, lo.vocab["[MAX"], lo.vocab["2"], lo.vocab["9"], lo.vocab["]"]]
     assert lo.decode(ids) == "[MAX 2 9 ]" and lo.vocab_size == 20
     _save_pt(tmp_path / "l.pt", lo)
-    assert isinstance(data.load_tokenizer(str(tmp_path / "l.pt")), data.ListOpsTokenizer)
+    assert isinstance(data.tokenizer_from_path(str(tmp_path / "l.pt")), data.ListOpsTokenizer)
 
 
 # --------------------------------------------------------------------------------------- GLUE readers
@@ -233,7 +233,7 @@ def _write_glue(root, task):
 
 @pytest.fixture(scope="module")
 def bert_tok(bert_dir):
-    return data.load_tokenizer(str(bert_dir))
+    return data.tokenizer_from_path(str(bert_dir))
 
 
 @pytest.mark.parametrize("task", list(data.GLUE))
@@ -336,6 +336,39 @@ def test_generic_tsv_csv_jsonl(tmp_path, bert_tok):
         data.load_generic(str(tmp_path / "e.jsonl"), bert_tok, text_col="t", label_col="y")
 
 
+# JSONL labels: one scalar type per file. (bad label, what the error says about it); line 1's label is 1.
+BAD_JSONL_LABELS = [
+    (None, "label null is not a label"),
+    ({"a": 1}, 'label {"a": 1} is not a label'),
+    ([1], "label [1] is not a label"),
+    ("1", 'label "1" is a string, but line 1\'s label 1 is an integer'),
+    (1.0, "label 1.0 is a decimal number, but line 1\'s label 1 is an integer"),
+    (True, "label true is true / false, but line 1\'s label 1 is an integer"),
+]
+
+
+@pytest.mark.parametrize("bad, what", BAD_JSONL_LABELS, ids=["null", "object", "list", "string", "float", "bool"])
+def test_jsonl_labels_are_one_scalar_type_per_file(tmp_path, bad, what):
+    """A null, object or list label, or labels of mixed types (1, 1.0, "1", true: bool and int differ), would
+    become extra classes: one DataError naming the file and the line."""
+    path = tmp_path / "train.jsonl"
+    lines = [{"text": "a cat", "label": 1}, {"text": "a dog", "label": 0}, {"text": "a mat", "label": bad}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(DataError) as err:
+        data.read_generic(str(path), ("text", None, "label"))
+    assert str(err.value).startswith(f"{path}:3: {what}"), str(err.value)
+
+
+def test_jsonl_labels_of_one_type_are_read_as_text(tmp_path):
+    """Every scalar type is a label type, as long as the file keeps to it (true and false; 0.5 and 1.0)."""
+    for labels, texts in [([True, False], ["True", "False"]), ([0.5, 1.0], ["0.5", "1.0"]),
+                          (["x", "y"], ["x", "y"]), ([3, -1], ["3", "-1"])]:
+        path = tmp_path / "train.jsonl"
+        path.write_text("".join(json.dumps({"t": "a cat", "y": y}) + "\n" for y in labels))
+        records, _ = data.read_generic(str(path), ("t", None, "y"))
+        assert [r[3] for r in records] == texts
+
+
 def test_tsv_without_columns_names_the_flags_and_the_file(tmp_path):
     """--task tsv without --text-col / --label-col: one DataError naming both flags and the file (it was a
     TypeError traceback, from the reader that collects the texts a from-scratch tokenizer trains on)."""
@@ -387,7 +420,7 @@ def test_task_table():
 def test_mlm_task(tmp_path, bert_tok):
     (tmp_path / "a.txt").write_text("the cat sat on the mat\n\n" + " ".join(["the dog"] * 10) + "\n")
     (tmp_path / "b.txt").write_text("hello there\n")
-    td = data.load_task("mlm", str(tmp_path), bert_tok, max_len=8)
+    td = mlm.load_task("mlm", str(tmp_path), bert_tok, max_len=8)
     assert td.num_labels == 0 and td.metric_name == "loss" and td.dev == {}
     assert all(len(e.ids) <= 8 and e.ids[0] == bert_tok.cls_id and e.ids[-1] == bert_tok.sep_id for e in td.train)
     assert len(td.train) == 1 + 4 + 1 and td.n_truncated == 1  # 20 tokens -> chunks of 6

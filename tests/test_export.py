@@ -110,7 +110,7 @@ def finetuned(request, tmp_path_factory):
 
 def test_transformers_loads_it_without_missing_or_unexpected_weights(finetuned):
     family, ckpt, out = finetuned
-    tokenizer_files = data.load_tokenizer(str(ckpt)).files
+    tokenizer_files = data.tokenizer_from_path(str(ckpt)).files
     assert sorted(os.listdir(out)) == sorted(["config.json", "model.safetensors", *tokenizer_files])
     hf, info = transformers.AutoModelForSequenceClassification.from_pretrained(str(out), output_loading_info=True)
     assert type(hf).__name__ == f"{CLASS[family]}ForSequenceClassification" and hf.config.model_type == family
@@ -124,7 +124,7 @@ def test_logits_match_ours_on_padded_batches(finetuned, padding):
     family, ckpt, out = finetuned
     ours = M.load_pretrained(str(ckpt)).eval()
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
-    ids, mask, types = batch(data.load_tokenizer(str(ckpt)), TEXTS, padding, pairs=family == "bert")
+    ids, mask, types = batch(data.tokenizer_from_path(str(ckpt)), TEXTS, padding, pairs=family == "bert")
     assert (mask == 0).any()
     types = types if family == "bert" else None
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_logits_match_ours_on_padded_batches(finetuned, padding):
 
 def test_the_tokenizer_loaded_back_gives_the_same_ids(finetuned):
     family, ckpt, out = finetuned
-    ours, hf = data.load_tokenizer(str(ckpt)), transformers.AutoTokenizer.from_pretrained(str(out))
+    ours, hf = data.tokenizer_from_path(str(ckpt)), transformers.AutoTokenizer.from_pretrained(str(out))
     for text in TEXTS + ["Hello, the cat!"]:
         assert hf(text)["input_ids"] == ours.encode(text), text
         assert hf(text, "a dog")["input_ids"] == ours.encode(text, "a dog"), text
@@ -156,7 +156,7 @@ def test_masked_lm_regression_and_span_heads(tmp_path, family, head, auto):
     hf, info = getattr(transformers, auto).from_pretrained(str(tmp_path / "out"), output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
     assert type(hf).__name__ == f"{CLASS[family]}For{head}"
-    ids, mask, _ = batch(data.load_tokenizer(str(tmp_path / "c.pt")), TEXTS, "right")
+    ids, mask, _ = batch(data.tokenizer_from_path(str(tmp_path / "c.pt")), TEXTS, "right")
     with torch.no_grad():
         out = hf.eval()(input_ids=ids, attention_mask=mask)
         if head == "MaskedLM":
@@ -214,7 +214,7 @@ def test_a_broken_mapping_is_caught(finetuned, tmp_path, monkeypatch):
     hf, info = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "broken"),
                                                                              output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    ids, mask, types = batch(data.load_tokenizer(str(ckpt)), TEXTS, "right", pairs=True)
+    ids, mask, types = batch(data.tokenizer_from_path(str(ckpt)), TEXTS, "right", pairs=True)
     with torch.no_grad():
         diff = (M.load_pretrained(str(ckpt)).eval()(ids, mask, types) - hf.eval()(ids, mask, types).logits).abs().max()
     assert diff > 1e-4                                 # the comparison the tests above make would fail

@@ -7,7 +7,9 @@ they run in one process (run_cli: the script run as __main__ once per argv, exac
 would run it); signals, locks and resource limits need processes of their own.
 Run: python -m pytest tests/test_failures.py -q
 """
+import contextlib
 import hashlib
+import io
 import json
 import os
 import resource
@@ -21,6 +23,7 @@ import torch
 
 import data
 import train
+from readers import lra, qa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -58,6 +61,18 @@ def run_cli(script, argvs):
             lines.append(line)
     assert len(out) == len(argvs), p.stderr[-3000:]
     return out
+
+
+def run_main(argv):
+    """train.main in-process -> (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main([str(a) for a in argv])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
 
 
 def one_error(result, *names):
@@ -212,6 +227,53 @@ def test_sigterm_saves_and_exits_143(listops_dir, tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# one run at a time in a --out folder
+
+LOCK_HOLDER = "import sys, time, data; f = data.lock_out(sys.argv[1]); print('locked', flush=True); time.sleep(600)"
+
+
+def hold_lock(folder):
+    """A process that holds FOLDER's lock (data.lock_out, as train.py takes it) until it is killed."""
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "locked", p.communicate()
+    return p
+
+
+def test_a_busy_out_is_refused_by_name_and_a_killed_run_leaves_no_lock(listops_dir, tmp_path):
+    """While a run writes --out, a second run there is refused in one line naming the folder and the first run's
+    pid: with --resume, with --overwrite, and a new run into a folder whose run has not written a file yet. A run
+    killed by SIGKILL leaves OUT/.lock behind but no lock: the next run proceeds."""
+    out, fresh = tmp_path / "busy", tmp_path / "fresh"
+    first = subprocess.Popen([sys.executable, "train.py", *listops_args(listops_dir, out, steps=100000)], cwd=ROOT,
+                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fresh.mkdir()
+    holder = hold_lock(fresh)                            # a run that holds its --out before writing anything
+    try:
+        deadline = time.time() + 120
+        while not (out / "ckpt_last.pt").exists():       # the first run is training (--save-every 1)
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        with pytest.raises(data.DataError, match=rf"another run is using it \(pid {first.pid}\)"):
+            data.lock_out(out)
+        results = run_cli("train.py", [["--resume", "--out", out], listops_args(listops_dir, out) + ["--overwrite"],
+                                       listops_args(listops_dir, fresh)])
+        busy = f"another run is using it (pid {first.pid}); wait for it or choose another --out"
+        one_error(results[0], f"--out {out}: {busy}")
+        one_error(results[1], f"--out {out}: {busy}")
+        one_error(results[2], f"--out {fresh}: another run is using it (pid {holder.pid})")
+    finally:
+        for p in (first, holder):
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert (out / ".lock").read_text().strip() == str(first.pid)       # the file stays; the lock went with the run
+    code, _, err = run_main(listops_args(listops_dir, out) + ["--overwrite"])
+    assert code == 0, err
+    assert (out / ".lock").read_text().strip() == str(os.getpid()) and (out / "final.json").exists()
+    data.lock_out(fresh).close()                         # the killed holder's lock is gone too
+
+
+# -----------------------------------------------------------------------------
 # broken checkpoints and tokenizers
 
 def make_hf_folder(folder):
@@ -267,14 +329,19 @@ def test_broken_checkpoints_and_tokenizers_are_named(finished_run, tmp_path):
 # data is what the file says
 
 def test_labelled_files_are_read_as_written(tmp_path):
-    """A JSONL line that is not an object names its line; a file that is not UTF-8 names file and line; a
-    column beyond the line says which and how many."""
+    """A JSONL line that is not an object names its line; a JSONL label that is null, an object or of another
+    type than line 1's (1, 1.0, "1", true) names file and line; a file that is not UTF-8 names file and line;
+    a column beyond the line says which and how many."""
     good = [json.dumps({"text": f"a cat number {i}", "label": i % 2}) for i in range(8)]
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "train.jsonl").write_text("\n".join(good + ['"a bare string"']) + "\n")
-    (bare / "dev.jsonl").write_text("\n".join(good) + "\n")
-    argvs = [["--task", "tsv", "--data", bare, "--text-col", "text", "--label-col", "label"]]
+    argvs = []
+    jsonl = {"bare": '"a bare string"', "null": '{"text": "a dog", "label": null}',
+             "object": '{"text": "a dog", "label": {"y": 1}}', "string": '{"text": "a dog", "label": "1"}',
+             "float": '{"text": "a dog", "label": 1.0}', "bool": '{"text": "a dog", "label": true}'}
+    for name, line in jsonl.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text("\n".join(good + [line]) + "\n")
+        (tmp_path / name / "dev.jsonl").write_text("\n".join(good) + "\n")
+        argvs.append(["--task", "tsv", "--data", tmp_path / name, "--text-col", "text", "--label-col", "label"])
     latin = tmp_path / "latin"
     latin.mkdir()
     (latin / "train.tsv").write_bytes(b"label\ttext\n1\ta cat\n0\tun caf\xe9\n")
@@ -288,11 +355,16 @@ def test_labelled_files_are_read_as_written(tmp_path):
     argvs.append(["--task", "tsv", "--data", cols, "--text-col", "-1", "--label-col", "0"])
     argvs.append(["--task", "tsv", "--data", cols])                                   # no columns given
     results = run_cli("train.py", [a + ["--out", tmp_path / "out", *TINY] for a in argvs])
-    one_error(results[0], "train.jsonl:9")
-    one_error(results[1], "train.tsv:3", "not UTF-8")
-    one_error(results[2], "train.tsv:1", "--label-col asks for column 5", "has 2 columns")
-    one_error(results[3], "--text-col -1")
-    one_error(results[4], "train.tsv", "--text-col and --label-col")
+    one_error(results[0], "bare/train.jsonl:9")
+    one_error(results[1], "null/train.jsonl:9", "label null is not a label")
+    one_error(results[2], "object/train.jsonl:9", 'label {"y": 1} is not a label')
+    one_error(results[3], "string/train.jsonl:9", 'label "1" is a string', "line 1's label 0 is an integer")
+    one_error(results[4], "float/train.jsonl:9", "label 1.0 is a decimal number", "line 1's")
+    one_error(results[5], "bool/train.jsonl:9", "label true is true / false", "line 1's")
+    one_error(results[6], "train.tsv:3", "not UTF-8")
+    one_error(results[7], "train.tsv:1", "--label-col asks for column 5", "has 2 columns")
+    one_error(results[8], "--text-col -1")
+    one_error(results[9], "train.tsv", "--text-col and --label-col")
 
 
 def write_squad(path, qas, context="The cat sat on the mat.  "):
@@ -303,7 +375,7 @@ def write_squad(path, qas, context="The cat sat on the mat.  "):
 def test_squad_answers_are_checked_against_their_context(tmp_path):
     """An answer must be its context's text at an integer answer_start; a question without answers is an
     error unless SQuAD 2.0 marks it impossible (then it is skipped and reported with its line)."""
-    tok = data.load_tokenizer(make_hf_folder(tmp_path / "tok"))
+    tok = data.tokenizer_from_path(make_hf_folder(tmp_path / "tok"))
     q = {"id": "q1", "question": "where?", "answers": [{"text": "the mat", "answer_start": 15}]}
     cases = {"wrong_text": ([{**q, "answers": [{"text": "the hat", "answer_start": 15}]}], "does not match"),
              "fractional": ([{**q, "answers": [{"text": "the mat", "answer_start": 15.5}]}], "not an integer"),
@@ -316,13 +388,13 @@ def test_squad_answers_are_checked_against_their_context(tmp_path):
         write_squad(d / "train.json", qas)
         write_squad(d / "dev.json", [q])
         with pytest.raises(data.DataError, match=what) as e:
-            data.load_task("squad", str(d), tok, max_len=64)
+            qa.load_task("squad", str(d), tok, max_len=64)
         assert os.path.join(name, "train.json") in str(e.value)
     v2 = tmp_path / "v2"
     v2.mkdir()
     write_squad(v2 / "train.json", [q, {"id": "q2", "question": "why?", "answers": [], "is_impossible": True}])
     write_squad(v2 / "dev.json", [q])
-    task = data.load_task("squad", str(v2), tok, max_len=64)
+    task = qa.load_task("squad", str(v2), tok, max_len=64)
     line = [s.strip() for s in (v2 / "train.json").read_text().split("\n")].index('"id": "q2",') + 1   # q2's line
     assert task.skipped == [f"{v2 / 'train.json'}:{line}"]
 
@@ -353,7 +425,7 @@ def test_lra_text_keeps_4000_bytes_at_the_default(tmp_path):
             os.makedirs(tmp_path / split / label)
             (tmp_path / split / label / "0_1.txt").write_text("ab" * 2500)                  # 5,000 bytes
     max_len = data.TASKS["lra-text"].max_len
-    task = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=max_len)
+    task = lra.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=max_len)
     ids = task.train[0].ids
     assert len(ids) == 4001 and ids[0] == data.ByteTokenizer().cls_id                    # [cls] on top
     assert data.ByteTokenizer().decode(ids) == ("ab" * 2500)[:4000]

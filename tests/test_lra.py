@@ -102,20 +102,20 @@ def folders(tmp_path_factory):
 
 def test_text_reader_bytes_labels_lengths(tmp_path):
     texts = write_imdb(str(tmp_path))
-    task = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=4000)
+    task = lra.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=4000)
     assert len(task.train) == 8 and len(task.dev["dev"]) == 8 and task.num_labels == 2
     first = task.train[0]                                   # neg/0_2.txt: neg first, sorted file names
     raw = texts[("train", "neg", 0)].encode("utf-8")
     assert list(first.ids) == [2] + [b + OFF for b in raw] and first.label == 0
     assert len(raw) == len(texts[("train", "neg", 0)]) + 1  # the 2-byte character counts as 2 ids
     assert [e.label for e in task.train] == [0] * 4 + [1] * 4
-    cut = data.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=10)
+    cut = lra.load_task("lra-text", str(tmp_path), data.ByteTokenizer(), max_len=10)
     assert all(len(e.ids) == 10 for e in cut.train) and cut.n_truncated == 16
 
 
 def test_retrieval_reader_pairs(tmp_path):
     write_aan(str(tmp_path))
-    task = data.load_task("lra-retrieval", str(tmp_path), data.ByteTokenizer(), max_len=4000)
+    task = lra.load_task("lra-retrieval", str(tmp_path), data.ByteTokenizer(), max_len=4000)
     assert task.head == "pair" and set(task.dev) == {"dev", "test"}
     e = task.train[3]
     assert e.label == 1
@@ -139,7 +139,7 @@ def gray_reference(rgb):
 
 def test_image_reader_grayscale_and_split(tmp_path):
     records = write_cifar(str(tmp_path))
-    task = data.load_task("lra-image", str(tmp_path), data.ByteTokenizer(), max_len=1025)
+    task = lra.load_task("lra-image", str(tmp_path), data.ByteTokenizer(), max_len=1025)
     assert len(task.train) == 18 and len(task.dev["dev"]) == 2 and len(task.dev["test"]) == 4   # 90% / 10% / test
     for e, (_, label, rgb) in zip(task.train + task.dev["dev"], records):
         ref = gray_reference(rgb.reshape(-1, 3).astype(np.float64))
@@ -153,7 +153,7 @@ def test_image_reader_grayscale_and_split(tmp_path):
 
 def test_pathfinder_reader(tmp_path):
     items = write_pathfinder(str(tmp_path))
-    task = data.load_task("lra-pathfinder", str(tmp_path), data.ByteTokenizer(), max_len=1025)
+    task = lra.load_task("lra-pathfinder", str(tmp_path), data.ByteTokenizer(), max_len=1025)
     assert len(task.train) == 8 and len(task.dev["dev"]) == 1 and len(task.dev["test"]) == 1
     for e, (px, y) in zip(task.train + task.dev["dev"] + task.dev["test"], items):
         assert list(e.ids) == [2] + [int(p) + OFF for p in px.reshape(-1)] and e.label == y
@@ -166,20 +166,20 @@ def test_bad_inputs_name_file_and_line(tmp_path):
     tok = data.ByteTokenizer()
     write_aan(str(tmp_path / "aan"), bad_row="1.0\tA\tB\tonly four columns\n")
     with pytest.raises(data.DataError, match=r"new_aan_pairs\.train\.tsv:9: expected 5 columns"):
-        data.load_task("lra-retrieval", str(tmp_path / "aan"), tok, max_len=100)
+        lra.load_task("lra-retrieval", str(tmp_path / "aan"), tok, max_len=100)
     write_aan(str(tmp_path / "aan2"), bad_row="2.0\tA\tB\tt1\tt2\n")
     with pytest.raises(data.DataError, match=r"new_aan_pairs\.train\.tsv:9: label '2\.0' is not 0 or 1"):
-        data.load_task("lra-retrieval", str(tmp_path / "aan2"), tok, max_len=100)
+        lra.load_task("lra-retrieval", str(tmp_path / "aan2"), tok, max_len=100)
     write_pathfinder(str(tmp_path / "pf"), bad_size_at=3)
     with pytest.raises(data.DataError, match=r"metadata/0\.npy:4: .*sample_3\.png: image is 16 x 16, expected 32 x 32"):
-        data.load_task("lra-pathfinder", str(tmp_path / "pf"), tok, max_len=1025)
+        lra.load_task("lra-pathfinder", str(tmp_path / "pf"), tok, max_len=1025)
     write_cifar(str(tmp_path / "c"))
     with open(tmp_path / "c" / "data_batch_2.bin", "ab") as f:
         f.write(b"\x00" * 10)                                              # a cut record
     with pytest.raises(data.DataError, match=r"data_batch_2\.bin: .* not a whole number of 3073-byte records"):
-        data.load_task("lra-image", str(tmp_path / "c"), tok, max_len=1025)
+        lra.load_task("lra-image", str(tmp_path / "c"), tok, max_len=1025)
     with pytest.raises(data.DataError, match="pixel intensities"):
-        data.load_task("lra-image", str(tmp_path / "c"), data.ListOpsTokenizer(), max_len=1025)
+        lra.load_task("lra-image", str(tmp_path / "c"), data.ListOpsTokenizer(), max_len=1025)
 
 
 # -----------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_every_task_trains_end_to_end(folders, task, attention, tmp_path, capfd)
     assert final["steps"] == 2 and 0.0 <= final["dev"]["dev"]["acc"] <= 1.0
     assert final["config"]["attention"] == attention
     assert final["config"]["head"] == ("pair" if task == "lra-retrieval" else "cls")
-    assert isinstance(data.load_tokenizer(str(out / "ckpt_last.pt")), data.ByteTokenizer)   # rebuilt from the checkpoint
+    assert isinstance(data.tokenizer_from_path(str(out / "ckpt_last.pt")), data.ByteTokenizer)   # rebuilt from the checkpoint
     if attention == "hst":
         log = [json.loads(line) for line in open(out / "log.jsonl")]
         assert any("consistency" in r for r in log)

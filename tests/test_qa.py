@@ -115,7 +115,7 @@ def test_windows_advance_by_the_doc_stride(tmp_path):
     qas = [("q", "where ?", [("w300", context.index("w300 "))])]
     for split in ("train", "dev"):
         (tmp_path / f"{split}.json").write_text(squad_json([(context, qas)]))
-    task = data.load_task("squad", str(tmp_path), tok, max_len=200)
+    task = qa.load_task("squad", str(tmp_path), tok, max_len=200)
     head = 4                                                                    # [cls] where ? [sep]
     for ws in (task.train, task.dev["dev"]):
         assert [w.word_of[head] for w in ws] == [0, 128, 256]                   # first context word of each
@@ -237,7 +237,7 @@ def test_squad_trains_end_to_end(attention, tmp_path, capfd):
     if attention == "hst":
         assert list(dev["shift"]["by"]) == ["1"]
         assert any("consistency" in json.loads(line) for line in open(out / "log.jsonl"))
-    task = data.load_task("squad", folder, data.load_tokenizer(str(out / "ckpt_last.pt")), max_len=int(max_len))
+    task = qa.load_task("squad", folder, data.tokenizer_from_path(str(out / "ckpt_last.pt")), max_len=int(max_len))
     assert (len(task.dev["dev"]) > 8) == (attention == "dense")                # windows only where the text is long
 
 

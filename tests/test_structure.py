@@ -1,8 +1,10 @@
 """The shape of the code (the design card, issue "Freeze and fold"): six flat files at the top level and no other
-Python there; each within its line budget, at least one line in eight a comment (all six together: one in five),
-no line of 120 characters or more; imports run one way (data <- model <- train, the methods are leaves, nothing
-of the six imports research/ or readers/ at module level); every module imports first in a fresh interpreter;
-train.py has at most 50 flags; README.md is a front door of at most 260 lines.
+Python there; each opens with a docstring, at least one line in eight a comment (all six together: one in five),
+no line of 120 characters or more; imports run one way with no circle (data.py imports no module of the project,
+not even inside a function; model <- data, attendout, sparse; train <- everything; the methods attendout, sparse
+and sar are leaves; nothing of the six imports research/ or readers/ at module level); every module imports first
+in a fresh interpreter; every task has a reader and an objective train.py knows; README.md is a front door of at
+most 260 lines. No line budget and no flag cap: a student who adds a flag or a Config field must not fail here.
 
 Imports are read with ast, function-level ones included. Run: python -m pytest tests/test_structure.py -q
 """
@@ -16,8 +18,7 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUDGETS = {"model": 520, "attendout": 360, "sparse": 380, "sar": 130, "train": 600, "data": 760}   # lines
-CORE = sorted(BUDGETS)
+CORE = sorted(["attendout", "data", "model", "sar", "sparse", "train"])     # the six files of the course
 # who may import whom among the six (anywhere in the file): data is the bottom, the methods are leaves
 ALLOWED = {"data": set(), "attendout": set(), "sparse": set(), "sar": set(),
            "model": {"data", "attendout", "sparse"}, "train": {"data", "model", "attendout", "sparse", "sar"}}
@@ -52,10 +53,9 @@ def test_the_top_level_holds_the_six_files_and_no_other_python():
 
 
 @pytest.mark.parametrize("module", CORE)
-def test_budget_comments_and_line_length(module):
+def test_docstring_comments_and_line_length(module):
     src = source(module)
     lines = src.splitlines()
-    assert len(lines) <= BUDGETS[module], f"{module}.py: {len(lines)} lines, budget {BUDGETS[module]}"
     comments, non_blank = comment_share(src)
     assert comments * 8 >= non_blank, f"{module}.py: {comments} of {non_blank} lines carry a comment (< 1 in 8)"
     long = [n for n, line in enumerate(lines, 1) if len(line) >= 120]
@@ -64,8 +64,6 @@ def test_budget_comments_and_line_length(module):
 
 
 def test_the_six_together():
-    total = sum(len(source(m).splitlines()) for m in CORE)
-    assert total <= 2700, f"the six files hold {total} lines (at most 2,700)"
     shares = [comment_share(source(m)) for m in CORE]
     comments, non_blank = sum(c for c, _ in shares), sum(n for _, n in shares)
     assert comments * 5 >= non_blank, f"{comments} of {non_blank} lines carry a comment (< 1 in 5)"
@@ -82,12 +80,29 @@ def test_imports_run_one_way():
         assert mine <= ALLOWED[module], f"{module}.py imports {sorted(mine - ALLOWED[module])}"
         outside = imports(source(module), top_level_only=True) & {"research", "readers"}
         assert not outside, f"{module}.py imports {sorted(outside)} at module level"
+    # data.py is the bottom layer: not even a function of it imports readers/ or research/
+    below = imports(source("data")) & {"research", "readers"}
+    assert not below, f"data.py imports {sorted(below)}"
 
 
-def test_train_has_at_most_50_flags():
-    import train
-    flags = [a for a in train.make_parser()._actions if a.option_strings and a.dest != "help"]
-    assert len(flags) <= 50, f"train.py has {len(flags)} flags"
+def test_no_import_cycle():
+    """Among the six and readers/ (imports anywhere in a file), no module reaches itself again: data.py loading
+    readers/, which import data.py back, was such a circle."""
+    nodes = set(CORE) | {"readers"}
+    graph = {m: imports(source(m)) & nodes - {m} for m in CORE}
+    graph["readers"] = set().union(*(imports(source(os.path.join("readers", m))) for m in ("lra", "mlm", "qa")))
+    graph["readers"] &= nodes - {"readers"}
+
+    def reach(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        return seen
+    cycles = [m for m in CORE if m in reach(m)]
+    assert not cycles, f"import cycle through {cycles}"
 
 
 def test_readme_is_a_front_door():
@@ -121,8 +136,10 @@ def test_each_module_imports_first_in_a_fresh_interpreter():
 
 
 @pytest.mark.parametrize("name", __import__("data").TASKS)
-def test_every_task_has_an_objective_train_knows(name):
+def test_every_task_has_a_reader_and_an_objective_train_knows(name):
     import data
     import train
     loss, evaluate = train.objective(name)
     assert callable(loss) and callable(evaluate) and data.TASKS[name].max_len > 0
+    read = train.reader(name)                          # data.py, or a module of readers/
+    assert callable(read.load_task) and (read is data) == (data.TASKS[name].load is not None)
