@@ -1,15 +1,11 @@
 """
 sparse.py: block-sparse attention and the HST stage-1 kernel of attnreg, in plain PyTorch (no n x n
-matrix, ever). To be read beside docs/methods.md §2.1 and §2.2.
+matrix, ever), to be read beside docs/methods.md §2.1 and §2.2.
 
-The idea: BigBird-style block-sparse attention cuts the sequence into blocks of b tokens; query
-block i reads only key blocks i-w .. i+w, r random blocks and the first g (global) tokens, so a
-layer costs O(n). ERNIE-Sparse's Hierarchical Sparse Transformer (HST, Liu et al. 2022) adds one
-representative R_j per block; its stage 1 is here, its stage 2 in model.Layer.
-
-Top to bottom: the pattern, random blocks, the key layout (THE one place that says which keys a
-query block reads), the gather kernel and its two entry points (block_sparse_attention,
-hst_attention), the FlexAttention path, and the dense reference masks the tests compare against.
+The idea: BigBird-style attention cuts the sequence into blocks of b tokens; query block i reads
+only key blocks i-w .. i+w, r random blocks and the first g (global) tokens, so a layer is O(n).
+ERNIE-Sparse's HST (Liu et al. 2022) adds one representative R_j per block: its stage 1 is here,
+its stage 2 in model.Layer.
 
 Run:  python train.py --attention sparse   (or hst)  # model.Attention calls the two entry points
       python -m pytest -q tests/test_sparse.py        # kernels = dense attention under dense_mask
@@ -28,42 +24,33 @@ import torch.nn.functional as F
 #     the window:  key blocks i-w .. i+w that exist
 #     random:      r further key blocks, drawn among the blocks outside its window
 #     global:      the first g tokens, which also attend to every token themselves
-# so every query sees (2w + 1 + r) b + g keys, a constant: a layer is O(n).
-# To add a pattern (e.g. a dilated window, docs/exercises.md): a field here, the blocks it reads
-# in window_offsets or key_layout, and the model.Config field / train.py flag of the same name.
+# so every query sees (2w + 1 + r) b + g keys: a layer is O(n). The knobs are the model.Config
+# fields of the same names (pattern_of); a new pattern (docs/exercises.md) adds a field to both.
 class Pattern(NamedTuple):
-    """The knobs, named as the model.Config fields that set them (keywords everywhere)."""
     block_size: int = 64      # b, tokens per block
     window: int = 1           # w, window blocks on each side
     num_global: int = 1       # g, global tokens at the start
     num_random: int = 0       # r, random key blocks per query block
 
-    # The key blocks of query block i's window, as offsets from i: -w .. w. The own block
-    # (offset 0) must be one of them.
+    # Query block i's window as offsets from i, -w .. w; 0 (its own block) must be one of them.
     def window_offsets(self):
         return list(range(-self.window, self.window + 1))
 
-
-# The Pattern keywords of a model.Config (its fields of the same names).
 def pattern_of(cfg):
     return {f: getattr(cfg, f) for f in Pattern._fields}
 
-
-# window_matrix[i, j]: key block j is in query block i's window, i.e. j - i is one of the offsets.
+# window_matrix[i, j], bool [m, m]: key block j is in query block i's window.
 def window_matrix(m, p, device=None):
     blk = torch.arange(m, device=device)
     offsets = torch.tensor(p.window_offsets(), device=device)
     diff = blk[None, :] - blk[:, None]                                          # [m, m]: j - i
-    return (diff[..., None] == offsets).any(-1)                                 # [m, m] bool
+    return (diff[..., None] == offsets).any(-1)
 
 
 # -----------------------------------------------------------------------------
-# Random blocks (methods.md §2.1). For every (head, query block), r key blocks drawn uniformly
-# among the blocks outside its window: each block gets a uniform random key, the window's blocks
-# get 2 (they sort last), and the r smallest keys win. One draw serves the whole batch, as in
-# BigBird. A query block with fewer than r blocks outside its window (a short sequence) gets
-# window blocks in its surplus slots, with ok False, so they are masked. With r = 0 the generator
-# is left untouched (no draw), so turning random blocks off changes no other random number.
+# Random blocks (methods.md §2.1): per (head, query block), r key blocks drawn uniformly outside
+# its window: the r smallest of uniform numbers, the window's set to 2. One draw serves the batch
+# (BigBird); surplus slots (short sequences) hold window blocks, ok False; r = 0 draws nothing.
 def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pattern):
     """(idx, ok), long and bool [H, m, r]; generator None: torch's global one."""
     p = Pattern(**pattern)
@@ -76,13 +63,12 @@ def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pat
     if r == 0:
         idx = torch.zeros(H, m, 0, dtype=torch.long, device=device)
         return idx, idx.bool()
-    # The draw happens where the generator lives; the result moves to `device`.
     draw_device = generator.device if generator is not None else device
-    in_window = window_matrix(m, p, draw_device)                                # [m, m]
+    in_window = window_matrix(m, p, draw_device)
     u = torch.rand(H, m, m, generator=generator, device=draw_device)            # [H, m, m]
-    u = u.masked_fill(in_window, 2.0)                                           # window: last
+    u = u.masked_fill(in_window, 2.0)
     idx = u.argsort(dim=-1)[..., :r].contiguous()                               # [H, m, r]
-    ok = ~in_window.expand(H, m, m).gather(-1, idx)                             # [H, m, r]
+    ok = ~in_window.expand(H, m, m).gather(-1, idx)
     return idx.to(device), ok.to(device)
 
 
@@ -91,8 +77,7 @@ def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pat
 # (methods.md §2.1). Every query block gathers its K keys once, in a fixed order of columns:
 #     [ window blocks i-w .. i+w | r random blocks | g global tokens | R_i (HST only) ]
 #            (2w + 1) b                 r b               g              1
-# Scores, probabilities and any dropout mask live in this layout, [B, H, m, b, K]. The kernel,
-# the FlexAttention path and the dense reference masks all read it.
+# Scores and probabilities live in it, [B, H, m, b, K]; the kernel, flex and dense masks read it.
 class Layout(NamedTuple):
     kidx: torch.Tensor       # long [H, m, K]: token index of every key column ([X] or [X; R])
     kin: torch.Tensor        # bool [H, m, K]: the pattern allows the column (padding aside)
@@ -105,14 +90,10 @@ class Layout(NamedTuple):
     rep: slice               # the column of R_i (HST; empty otherwise)
     rep_row: torch.Tensor    # bool [K]: the columns R_i's own query row reads (HST)
 
-
-# Building the layout: K = (nw + r) b + g (+ 1) columns, nw = 2w + 1 window blocks. Two details
-# make it equal to the dense pattern:
-#   - a window block off either end is clamped onto block 0 or m-1 and masked;
-#   - a global token inside a window or random block is masked there: it is attended through its
-#     global column only, never counted twice (twice would double its share of the softmax).
-# Under HST (with_reps) R_i, which sits at position n + i of [X; R], is the last column, and R_i's
-# own query row reads block i, the globals and itself (rep_row).
+# key_layout builds it (nw = 2w + 1). To equal the dense pattern, a window block off either end is
+# clamped onto block 0 or m-1 and masked, and a global token inside a block is masked there: it is
+# read once, through its global column (twice would double its softmax share). Under HST R_i, at
+# n + i of [X; R], is the last column; R_i's own row reads block i, the globals and R_i (rep_row).
 def key_layout(n, p, rand_idx, rand_ok, with_reps=False):
     b = p.block_size
     m = n // b
@@ -126,23 +107,21 @@ def key_layout(n, p, rand_idx, rand_ok, with_reps=False):
     # The key blocks of each slot: the window (clamped; off the ends not ok), then the random ones.
     i = torch.arange(m, device=dev)
     win = i[:, None] + torch.tensor(offsets, device=dev)                        # [m, nw]
-    win_ok = (win >= 0) & (win < m)                                             # [m, nw]
+    win_ok = (win >= 0) & (win < m)
     blocks = torch.cat([win.clamp(0, m - 1).expand(H, m, nw), rand_idx], dim=-1)   # [H, m, nw + r]
-    blocks_ok = torch.cat([win_ok.expand(H, m, nw), rand_ok], dim=-1)           # [H, m, nw + r]
+    blocks_ok = torch.cat([win_ok.expand(H, m, nw), rand_ok], dim=-1)
 
-    # Their tokens, then the g global tokens; a global token inside a block is masked there.
+    # Their tokens, then the g global tokens (and R_i under HST).
     tok = blocks[..., None] * b + torch.arange(b, device=dev)                   # [H, m, nw + r, b]
     kidx = [tok.flatten(2), torch.arange(g, device=dev).expand(H, m, g)]
     block_in = (blocks_ok[..., None] & (tok >= g)).flatten(2)                   # [H, m, (nw + r) b]
     kin = [block_in, torch.ones(H, m, g, dtype=torch.bool, device=dev)]
-    # HST: R_i, at n + i, is the last column (methods.md §2.2).
     if with_reps:
         kidx.append((n + i).view(1, m, 1).expand(H, m, 1))
         kin.append(torch.ones(H, m, 1, dtype=torch.bool, device=dev))
     kidx = torch.cat(kidx, dim=-1)                                              # [H, m, K]
-    kin = torch.cat(kin, dim=-1)                                                # [H, m, K]
+    kin = torch.cat(kin, dim=-1)
 
-    # The column boundaries of the four parts.
     c_win = nw * b
     c_rand = (nw + r) * b
     own_start = offsets.index(0) * b
@@ -151,22 +130,19 @@ def key_layout(n, p, rand_idx, rand_ok, with_reps=False):
     random = slice(c_win, c_rand)
     glob = slice(c_rand, c_rand + g)
     rep = slice(c_rand + g, kidx.shape[-1])
-
-    # R_i's own row reads block i, the globals and itself.
-    rep_row = torch.zeros(kidx.shape[-1], dtype=torch.bool, device=dev)         # [K]
+    rep_row = torch.zeros(kidx.shape[-1], dtype=torch.bool, device=dev)
     if with_reps:
         for cols in (own, glob, rep):
             rep_row[cols] = True
     return Layout(kidx, kin, blocks, blocks_ok, window, own, random, glob, rep, rep_row)
 
-
 # Which keys are real (not padding), bool [B, L]: attention_mask, or every token without one.
 # Under HST (L = n + m) R_j is real iff block j holds a real token.
 def real_keys(attention_mask, n, block_size, with_reps, batch_size=1, device=None):
     if attention_mask is None:
-        real = torch.ones(batch_size, n, dtype=torch.bool, device=device)       # [B, n]
+        real = torch.ones(batch_size, n, dtype=torch.bool, device=device)
     else:
-        real = attention_mask.to(device=device).bool()                          # [B, n]
+        real = attention_mask.to(device=device).bool()
     if with_reps:
         reps_real = real.view(real.shape[0], -1, block_size).any(-1)            # [B, m]
         real = torch.cat([real, reps_real], dim=1)                              # [B, n + m]
@@ -174,13 +150,9 @@ def real_keys(attention_mask, n, block_size, with_reps, batch_size=1, device=Non
 
 
 # -----------------------------------------------------------------------------
-# The gather kernel (methods.md §2.1). Every query block gathers its K keys by index and does one
-# small attention, so time and memory are O(n K): autograd keeps A [B, H, m, b, K] and the
-# gathered k, v (K / b times the size of k), never an n x n matrix.
-#
-# gather_keys reads rows of c [B, H, L, e] by the layout's indices, with ONE index_select (its
-# backward is one index_add_), for k, v and AttendOut's G-Net features alike. A c with one head
-# (the shared G-Net, methods.md §3.1) is read through every head's kidx.
+# The gather kernel (methods.md §2.1): each query block gathers its K keys by index, with ONE
+# index_select (backward: one index_add_), and does one small attention: O(n K), never n x n. A
+# one-head c (the shared G-Net, methods.md §3.1) is read through every head's kidx.
 def gather_keys(c, kidx, m):
     """c [B, Hc, L, e] -> [B, H, m, K, e]: row kidx[h, i, j] of head h (of head 0 when Hc = 1)."""
     B, Hc, L, e = c.shape
@@ -189,14 +161,10 @@ def gather_keys(c, kidx, m):
     flat = (kidx + heads * L).reshape(-1)                                       # [H m K]: h L + l
     return c.reshape(B, Hc * L, e).index_select(1, flat).view(B, H, m, -1, e)
 
-
-# One small attention over any leading layout (methods.md §1 for the formula):
+# One small attention over any leading layout (methods.md §1):
 #     S = q k^T / sqrt(d_h),   A = softmax(S masked by valid),   out = A V
-# AttendOut's masked pass (methods.md §3.1) changes the logits first, S' = S - 10000 (1 - M),
-# through mask_fn; the G-Net scores pairs in this layout with pair_scores, and counts only the
-# real pairs (valid and a real query row). A masked score is filled with the dtype's minimum in
-# place, outside autograd, so it gets probability 0 and gradient 0. Standard attention dropout
-# acts on A. A row with no valid key gives 0, not a uniform mean over masked keys.
+# AttendOut's mask_fn makes S' = S - 10000 (1 - M) (methods.md §3.1). A masked score gets the
+# dtype's minimum in place, outside autograd (gradient 0); a row with no valid key gives 0.
 def _attend(q, k, v, valid, dropout_p, mask_fn, pair_scores, real_rows):
     """q [.., Q, d], k, v [.., K, d], valid bool [.., Q, K], real_rows [.., Q, 1] -> [.., Q, d]."""
     invalid = ~valid
@@ -205,21 +173,16 @@ def _attend(q, k, v, valid, dropout_p, mask_fn, pair_scores, real_rows):
         a = mask_fn(a, valid & real_rows, pair_scores)                          # S'
     with torch.no_grad():
         a.masked_fill_(invalid, torch.finfo(a.dtype).min)
-    # A = softmax(S); S is freed here.
-    a = a.softmax(dim=-1)                                                       # [.., Q, K]
+    a = a.softmax(dim=-1)                                                       # A: [.., Q, K]
     if dropout_p > 0:
         a = F.dropout(a, dropout_p, training=True)
     out = torch.matmul(a, v)                                                    # [.., Q, d]
     return out.masked_fill(invalid.all(dim=-1, keepdim=True), 0.0)
 
-
-# The body shared by block_sparse_attention (with_reps=False, L = n) and hst_attention (with_reps,
-# L = n + m over [X; R]). The query rows are laid out as blocks, [B, H, m, bq, d]: bq = b token
-# rows, plus R_i as row b under HST. Three kinds of rows:
-#   - a token row of block i reads its layout columns (the global columns included);
-#   - R_i's row reads only rep_row's columns (block i, the globals, R_i);
-#   - the g global rows need every key, which does not fit the layout: they are computed apart,
-#     densely, [B, H, g, L] (cost O(g L)), and replace their rows of the layout.
+# The body of block_sparse_attention (L = n) and hst_attention (with_reps, L = n + m over [X; R]).
+# The query rows are laid out as blocks, [B, H, m, bq, d]: b token rows, plus R_i as row b under
+# HST. A token row reads its layout columns, R_i's row only rep_row's; the g global rows read every
+# key, so they are computed apart, densely, [B, H, g, L] (cost O(g L)), and replace their rows.
 def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, mask_fn, pattern):
     """q, k, v [B, H, L, d] -> [B, H, L, d]."""
     p = Pattern(**pattern)
@@ -232,29 +195,26 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, mask_fn
     fits = n % b == 0 and L == (n + m if with_reps else n)
     assert fits, f"length {L} does not fit block size {b}"
     dev = q.device
-    real = real_keys(attention_mask, n, b, with_reps, B, dev)                   # [B, L]
+    real = real_keys(attention_mask, n, b, with_reps, B, dev)
     rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)
-    lay = key_layout(n, p, rand_idx, rand_ok, with_reps)                        # [H, m, K] columns
+    lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
 
-    # valid[.., i, row, col]: the pattern allows the pair and the key is real. The global rows
-    # are masked here (done densely below); R_i's row reads only rep_row's columns.
+    # valid[.., i, row, col]: the pattern allows the pair and the key is real (global rows: below).
     bq = b + 1 if with_reps else b                                              # query rows/block
-    row_ok = torch.ones(m, bq, lay.kidx.shape[-1], dtype=torch.bool, device=dev)   # [m, bq, K]
+    row_ok = torch.ones(m, bq, lay.kidx.shape[-1], dtype=torch.bool, device=dev)
     row_ok[:, :b] &= (torch.arange(n, device=dev) >= g).view(m, b, 1)
     if with_reps:
         row_ok[:, b] = lay.rep_row
     valid = (lay.kin & real[:, lay.kidx])[:, :, :, None, :] & row_ok            # [B, H, m, bq, K]
 
-    # The query rows in the block layout: [B, H, L, e] -> [B, H, m, bq, e] (H, or the G-Net's 1
-    # head); under HST R_i is row b of block i.
+    # The query rows in the block layout, [B, H, L, e] -> [B, H, m, bq, e] (H, or the G-Net's 1).
     def queries(a):
-        ab = a[:, :, :n].reshape(B, a.shape[1], m, b, a.shape[-1])             # [B, H, m, b, e]
+        ab = a[:, :, :n].reshape(B, a.shape[1], m, b, a.shape[-1])
         if with_reps:
-            return torch.cat([ab, a[:, :, n:, None]], dim=3)                    # [B, H, m, b+1, e]
+            return torch.cat([ab, a[:, :, n:, None]], dim=3)
         return ab
 
-    # AttendOut's pair scores a_i . c_j in the block layout, [B, H, m, bq, K]. A one-head c with
-    # no random blocks reads the same keys for every head: one gather serves them all.
+    # AttendOut's pair scores a_i . c_j; one head and no random blocks: one gather serves all.
     def pair_local(a, c):
         if c.shape[1] == 1 and p.num_random == 0:
             kidx = lay.kidx[:1]
@@ -265,58 +225,42 @@ def _stage1(q, k, v, attention_mask, *, with_reps, generator, dropout_p, mask_fn
     # The real query rows (mask_fn counts only real pairs): real tokens, and real R_i under HST.
     real_rows = real[:, :n].view(B, 1, m, b, 1)                                 # [B, 1, m, b, 1]
     if with_reps:
-        rep_rows = real[:, n:].view(B, 1, m, 1, 1)                              # [B, 1, m, 1, 1]
+        rep_rows = real[:, n:].view(B, 1, m, 1, 1)
         real_rows = torch.cat([real_rows, rep_rows], dim=3)                     # [B, 1, m, bq, 1]
 
-    # The block-layout attention, for every row but the global ones.
     out = _attend(queries(q), gather_keys(k, lay.kidx, m), gather_keys(v, lay.kidx, m), valid,
                   dropout_p, mask_fn, pair_local, real_rows)                    # [B, H, m, bq, d]
     tok_out = out[:, :, :, :b].reshape(B, H, n, d)                              # [B, H, n, d]
 
-    # The g global rows attend to every key, densely: O(g L). They replace their block rows.
     if g > 0:
         def pair_global(a, c):
             return torch.matmul(a[:, :, :g], c.transpose(-1, -2))               # [B, H, g, L]
 
         out_g = _attend(q[:, :, :g], k, v, real[:, None, None, :], dropout_p, mask_fn,
                         pair_global, real[:, None, :g, None])                   # [B, H, g, d]
-        tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)                  # [B, H, n, d]
+        tok_out = torch.cat([out_g, tok_out[:, :, g:]], dim=2)
     if not with_reps:
         return tok_out
     return torch.cat([tok_out, out[:, :, :, b]], dim=2)                         # [B, H, n + m, d]
 
-
-# The two entry points model.Attention calls. Each runs the gather kernel; on CUDA (flex=True),
-# when nothing needs the probabilities (no dropout, no AttendOut mask), FlexAttention runs the
-# same layout instead, with the same output.
-#
-# Block-sparse attention (methods.md §2.1): every token reads its window, random blocks and the
-# globals.
+# The two entry points model.Attention calls: q, k, v [B, H, L, d_h] -> [B, H, L, d_h];
+# attention_mask [B, n] (1 = real); pattern: the Pattern keywords; generator None: torch's own.
+# mask_fn(S, valid, pair_scores), AttendOut's masked pass (methods.md §3.1), sees the layout's
+# logits [B, H, m, b, K], then the global rows' [B, H, g, L]. flex=True (CUDA), with nothing to
+# drop or mask, runs flex_stage1 instead. Block-sparse attention (methods.md §2.1): L = n.
 def block_sparse_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0,
                            mask_fn=None, flex=False, **pattern):
-    """q, k, v [B, H, n, d_h], attention_mask [B, n] (1 = real), n a multiple of block_size;
-    pattern: the Pattern keywords. generator: the random blocks' (None: torch's global one, a
-    fresh draw). mask_fn(S, valid, pair_scores), AttendOut's masked pass (methods.md §3.1), is
-    called on the logits of the block layout S [B, H, m, b, K], then of the global rows
-    [B, H, g, n]. flex=True (CUDA): with nothing to drop or mask, run through FlexAttention
-    (flex_stage1). Returns [B, H, n, d_h]."""
     if flex and mask_fn is None and dropout_p == 0:
         return flex_stage1(q, k, v, attention_mask, with_reps=False, generator=generator,
                            **pattern)
     return _stage1(q, k, v, attention_mask, with_reps=False, generator=generator,
                    dropout_p=dropout_p, mask_fn=mask_fn, pattern=pattern)
 
-
-# HST stage 1 (methods.md §2.2, reconstructed), over [X; R]:
-#   - a token in block j reads its §2.1 keys and R_j;
-#   - a global token reads every token and representative;
-#   - R_j reads the tokens of block j, the globals and itself (valid iff block j holds a real
-#     token).
-# In the block layout, [B, H, m, b + 1, K + 1], R_j is query row b and key column K of block j.
+# HST stage 1 (methods.md §2.2, reconstructed), L = n + m over [X; R]: a token in block j reads its
+# §2.1 keys and R_j; a global token everything; R_j the tokens of block j, the globals and itself
+# (valid iff block j holds a real token). R_j is query row b and key column K of block j's layout.
 def hst_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0, mask_fn=None,
                   flex=False, **pattern):
-    """q, k, v [B, H, n + m, d_h] (n tokens, then m representatives) -> [B, H, n + m, d_h];
-    the other arguments as block_sparse_attention's."""
     if flex and mask_fn is None and dropout_p == 0:
         return flex_stage1(q, k, v, attention_mask, with_reps=True, generator=generator,
                            **pattern)
@@ -326,10 +270,8 @@ def hst_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0
 
 # -----------------------------------------------------------------------------
 # FlexAttention (methods.md §2.1; CUDA, nothing to drop): the same layout as a BlockMask, run by
-# PyTorch's block-sparse kernel. Eager flex_attention is a slow reference, so on CUDA it is
-# compiled, once per process; elsewhere it runs eagerly.
+# PyTorch's block-sparse kernel; compiled once per process on CUDA (eager is a slow reference).
 _compiled_flex = None
-
 
 def _flex_kernel(device):
     global _compiled_flex
@@ -340,36 +282,28 @@ def _flex_kernel(device):
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
-
-# FlexAttention asks mask_mod(batch, head, query, key) -> bool for every pair; the answer is the
-# gather kernel's sets, over [X] or [X; R]:
-#   - a token row of block i reads its window / random blocks (lay.blocks), the globals and R_i;
-#   - a global row reads every key;
-#   - R_j's row (query n + j) reads block j, the globals and R_j;
-# and the key must be real. `table[h, i, j]` says whether block i reads block j.
+# FlexAttention asks mask_mod(batch, head, query, key) -> bool for every pair: the gather kernel's
+# sets, for a real key. A token row of block i reads its window / random blocks (table[h, i, j]),
+# the globals and R_i; a global row every key; R_j's row (query n + j) block j, globals and R_j.
 def layout_mask_mod(lay, real, n, b, g):
     H, m, _ = lay.blocks.shape
     table = torch.zeros(H, m, m, dtype=torch.long, device=real.device)
     table = table.scatter_add_(-1, lay.blocks, lay.blocks_ok.long()) > 0       # [H, m, m]
 
     def mask_mod(bi, h, qi, ki):
-        # Tokens, not representatives.
         q_tok = qi < n
         k_tok = ki < n
         i = torch.where(q_tok, qi // b, qi - n).clamp(0, m - 1)                 # the query's block
         j = (ki // b).clamp(0, m - 1)                                           # the key's block
         token_row = (k_tok & ((ki < g) | table[h, i, j])) | (~k_tok & (ki - n == i))
         rep_row = (k_tok & ((ki < g) | (j == i))) | (~k_tok & (ki - n == i))
-        # A global row reads all.
         allowed = torch.where(q_tok, token_row | (qi < g), rep_row)
         return allowed & real[bi, ki]
 
     return mask_mod
 
-
-# Stage 1 through torch's flex_attention, [B, H, L, d] -> [B, H, L, d], when nothing is dropped or
-# masked: the BlockMask comes from the same random draw and the same key_layout as the gather
-# kernel's, so the outputs are equal (tests/test_flex.py).
+# Stage 1 through flex_attention: the BlockMask comes from the same random draw and key_layout as
+# the gather kernel's, so the outputs are equal (tests/test_flex.py).
 def flex_stage1(q, k, v, attention_mask, *, with_reps, generator=None, **pattern):
     from torch.nn.attention.flex_attention import create_block_mask
     p = Pattern(**pattern)
@@ -379,33 +313,28 @@ def flex_stage1(q, k, v, attention_mask, *, with_reps, generator=None, **pattern
     m = n // b
     g = min(p.num_global, n)
     dev = q.device
-    real = real_keys(attention_mask, n, b, with_reps, B, dev)                   # [B, L]
+    real = real_keys(attention_mask, n, b, with_reps, B, dev)
     rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)
     lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
     mask_mod = layout_mask_mod(lay, real, n, b, g)
     block_mask = create_block_mask(mask_mod, B, H, L, L, device=dev, _compile=dev.type == "cuda")
-    return _flex_kernel(dev)(q, k, v, block_mask=block_mask)                    # [B, H, L, d]
+    return _flex_kernel(dev)(q, k, v, block_mask=block_mask)
 
 
 # -----------------------------------------------------------------------------
-# The equivalent dense masks (methods.md §2.1, "Reference"): teaching and tests only, these ARE
-# n x n. The block kernel equals dense attention under the mask built from the same random draw.
-#
-# layout_rows, bool [H, m, L]: the keys that query block i's token rows read through the columns
-# where cols [H, m, K] holds. A key held by several columns counts once (a bool mask is a set).
+# The equivalent dense masks (methods.md §2.1, "Reference"), from the kernel's own random draw,
+# for tests and teaching: these ARE n x n. layout_rows, bool [H, m, L]: the keys query block i
+# reads through the columns where cols [H, m, K] holds; a key in several columns counts once.
 def layout_rows(lay, L, cols):
     H, m, K = lay.kidx.shape
     hits = torch.zeros(H, m, L, dtype=torch.long)
-    hits = hits.scatter_add_(-1, lay.kidx.cpu(), cols.long().cpu())             # [H, m, L]
+    hits = hits.scatter_add_(-1, lay.kidx.cpu(), cols.long().cpu())
     return hits > 0
 
-
-# key_layout written out densely: True = query i may attend key j (L = n, or n + m for [X; R]).
-# The token rows of block i read its layout; the global rows read every key; under HST R_j's row
-# reads rep_row's columns; padding keys are masked for all.
+# key_layout written out densely, bool [B, H, L, L] (True: query i may attend key j): token rows
+# read their block's layout, global rows every key, R_j's row rep_row; padding keys are masked.
 def dense_layout_mask(n, attention_mask, *, with_reps, generator, num_heads, batch_size,
                       **pattern):
-    """bool [B, H, L, L], from the same random draw as the kernel's."""
     p = Pattern(**pattern)
     b = p.block_size
     m = n // b
@@ -417,20 +346,15 @@ def dense_layout_mask(n, attention_mask, *, with_reps, generator, num_heads, bat
     rows[:, :g] = True
     if with_reps:
         rep_rows = layout_rows(lay, L, lay.kin & lay.rep_row)                   # [H, m, L]
-        rows = torch.cat([rows, rep_rows], dim=1)                               # [H, L, L]
-    real = real_keys(attention_mask, n, b, with_reps, batch_size, "cpu")        # [B, L]
-    return rows[None] & real[:, None, None, :]                                  # [B, H, L, L]
+        rows = torch.cat([rows, rep_rows], dim=1)
+    real = real_keys(attention_mask, n, b, with_reps, batch_size, "cpu")
+    return rows[None] & real[:, None, None, :]
 
-
-# The block-sparse pattern as a dense mask (methods.md §2.1).
+# Block-sparse (methods.md §2.1) and HST stage 1 (§2.2) as dense masks, bool [B, H, L, L].
 def dense_mask(n, attention_mask=None, *, generator=None, num_heads=1, batch_size=1, **pattern):
-    """bool [B, H, n, n], True = query i may attend key j, from the kernel's random draw."""
     return dense_layout_mask(n, attention_mask, with_reps=False, generator=generator,
                              num_heads=num_heads, batch_size=batch_size, **pattern)
 
-
-# HST stage 1 as a dense mask over [X; R] (methods.md §2.2).
 def hst_dense_mask(n, attention_mask=None, *, generator=None, num_heads=1, batch_size=1, **pattern):
-    """bool [B, H, n + m, n + m] over [X; R] (n tokens, m representatives)."""
     return dense_layout_mask(n, attention_mask, with_reps=True, generator=generator,
                              num_heads=num_heads, batch_size=batch_size, **pattern)
