@@ -13,7 +13,6 @@ The experiments (the ERNIE-Sparse rows: hst, the baseline, then dense, sparse, h
   pretrained-sparse        the same rows fine-tuned from --init on SST-2 and MR, scored under every shift of b = 8
   pretrained-attendout     fine-tuning --init with standard (baseline), none, attendout, scheduled, layerdrop or
                            attn_layerdrop attention dropout; 1,000 training examples (lowres) or all (full)
-  attendout-trained-probe  what a trained G-Net does to the attention rows (--init: an AttendOut run's ckpt_last.pt)
 
 How to run it (from the repository root; add --dry-run to a grid to print its commands and run nothing):
     python research/experiments.py listops --threads 2
@@ -22,7 +21,6 @@ How to run it (from the repository root; add --dry-run to a grid to print its co
     python research/experiments.py listops-long-probe --variants hst sparse hst+sar
     python research/experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA
     python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2 3 4
-    python research/experiments.py attendout-trained-probe --init RUN/ckpt_last.pt --data-root DATA --datasets mr
 ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each with
 train.tsv and dev.tsv as label<TAB>sentence.
 """
@@ -42,11 +40,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the repository root: the six files
 sys.path.insert(0, ROOT)
-import attendout  # noqa: E402
 import data  # noqa: E402
 import sar  # noqa: E402
 from data import ArgumentParser, fail, one_line_errors  # noqa: E402
-from model import apply_overrides, build_model, read_checkpoint  # noqa: E402
+from model import build_model, read_checkpoint  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Runs, tables and paired statistics
@@ -568,8 +565,8 @@ def plot_droprates(a):
             frac = [logs[0][i]["step_frac"] for i in range(n)]
             for l in range(layers):
                 ax.plot(frac, [mean(i, l) for i in range(n)], label=f"layer {l + 1}")
-            ax.set(title=f"AttendOut drop rate per layer ({ds}, {st})", xlabel="fraction of training",
-                   ylabel="mean drop probability")
+            ax.set(title=f"AttendOut masking rate per layer ({ds}, {st})", xlabel="fraction of training",
+                   ylabel="share of real pairs masked")
             ax.legend(fontsize=7)
     with open(os.path.join(a.tables, f"{name}_final.json"), "w") as f:
         json.dump(final, f)
@@ -580,109 +577,10 @@ def plot_droprates(a):
 
 
 # -----------------------------------------------------------------------------
-# The trained-G-Net probe (methods.md §3.4): what AttendOut's learned mask does to the attention rows
-
-PROBE_SENTENCES, PROBE_DRAWS = 64, 20   # the first 64 dev sentences; 20 training-mode forwards (mask draws) each
-
-
-def cls_change(model, ids, mask, h_eval):
-    """How far one training-mode forward moves the [CLS] output from h_eval [B, d] (the eval output): relative
-    L2, mean over the batch. The caller seeds the draw."""
-    h = model.train().encode(ids, mask)[:, 0]                                         # [B, d]
-    return ((h - h_eval).norm(dim=-1) / h_eval.norm(dim=-1)).mean().item()           # |h - h_eval| / |h_eval|
-
-
-def attendout_trained_probe(a):
-    """--init: the ckpt_last.pt of a dense AttendOut run. Over PROBE_DRAWS training-mode forwards of the first dev
-    sentences (hidden dropout off), per layer, over the real (query, key) pairs with A > 0:
-        drop rate    r_l, the share of pairs with A' = 0 (the mean pi the budget holds)
-        largest key  how often each row's largest key is dropped (plain dropout: r_l, like any key)
-        noise        E sum_j (A'_ij - A_ij)^2 over rows, against plain inverted dropout's on the same A,
-                     sum_j A_ij^2 p / (1 - p), at p = p0 and at p = r_l (what the choice of pairs adds)
-        row sum      mean and largest sum_j A'_ij (1 under plain dropout on average; at most 1 / (1 - 0.5))
-    and how far the [CLS] output moves from the eval output under the trained G-Net, under plain dropout at its
-    layer rates r_l (what scheduled dropout does) and under standard dropout at p0, all on the same weights."""
-    torch.set_num_threads(a.threads)
-    cfg, state, tok_files, _ = read_checkpoint(a.init)
-    if cfg.attn_dropout != "attendout" or cfg.attention != "dense":
-        fail(f"--init {a.init}: attendout-trained-probe needs the checkpoint of a dense AttendOut run "
-             f"(this one: {cfg.attention} attention, --attn-dropout {cfg.attn_dropout})")
-    tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
-    task = data.load_task("tsv", os.path.join(a.data_root, a.datasets[0]), tok, max_len=64, text_col=1, label_col=0)
-    batch = data.collate(task.dev["dev"][:PROBE_SENTENCES], tok.pad_id)
-    ids, mask = batch["input_ids"], batch["attention_mask"]                          # [B, L]
-    quiet = apply_overrides(cfg, {"hidden_dropout_p": 0.0})      # only the attention dropout draws
-    p0, L = quiet.attn_dropout_p, quiet.num_layers
-    trained, seen = build_model(quiet, state, a.init), []      # seen: (layer, A, A', valid) of every mask drawn
-    for l, mod in enumerate(attendout.attendout_modules(trained)):
-        mod.hook = recording(l, mod.hook, seen)          # on the instance: the model's code path is unchanged
-    sums = {k: [0.0] * L for k in ("pairs", "dropped", "rows", "top_dropped", "noise", "A2", "rowsum")}
-    row_max, change = [0.0] * L, {}
-    with torch.no_grad():
-        h_eval = trained.eval().encode(ids, mask)[:, 0]                              # [B, d]
-
-        def moved(m):                                    # per draw: the [CLS] change, and the masks recorded
-            for draw in range(PROBE_DRAWS):
-                torch.manual_seed(draw)
-                seen.clear()
-                yield cls_change(m, ids, mask, h_eval), list(seen)
-        change["AttendOut (trained G-Net)"] = []
-        for c, masks in moved(trained):
-            change["AttendOut (trained G-Net)"].append(c)
-            for l, A, out, valid in masks:               # A, A': [B, H, L, L]; valid: broadcastable to A
-                pair = valid.expand_as(A) & (A > 0)
-                row = pair.any(-1)                                                   # [B, H, L] real query rows
-                top = A.argmax(-1, keepdim=True)                                     # [B, H, L, 1]
-                sums["pairs"][l] += pair.sum().item()
-                sums["dropped"][l] += (pair & (out == 0)).sum().item()
-                sums["rows"][l] += row.sum().item()
-                sums["top_dropped"][l] += (out.gather(-1, top).squeeze(-1) == 0)[row].sum().item()
-                sums["noise"][l] += ((out - A) ** 2).sum(-1)[row].sum().item()      # sum_j (A' - A)^2
-                sums["A2"][l] += (A ** 2).sum(-1)[row].sum().item()                 # sum_j A^2
-                sums["rowsum"][l] += out.sum(-1)[row].sum().item()                  # sum_j A'
-                row_max[l] = max(row_max[l], out.sum(-1)[row].max().item())
-        rates = [sums["dropped"][l] / sums["pairs"][l] for l in range(L)]           # r_l
-        plain = build_model(apply_overrides(quiet, {"attn_dropout": "standard"}), state, a.init)   # at p0
-        change[f"standard dropout {p0:g}"] = [c for c, _ in moved(plain)]
-        for layer, r in zip(plain.layers, rates):
-            layer.attn.drop.p = r                        # plain Bernoulli dropout at the G-Net's layer rate
-        change["plain dropout at the G-Net's layer rates"] = [c for c, _ in moved(plain)]
-    inverted = lambda l, p: sums["A2"][l] * p / (1 - p)  # inverted dropout's noise: E (A'-A)^2 = A^2 p / (1 - p)
-    lines = ["| layer | drop rate | largest key dropped | noise / standard's | noise / plain at the layer's rate "
-             "| mean row sum | largest row sum |", "|---|---|---|---|---|---|---|"]
-    for l in range(L):
-        c = {k: v[l] for k, v in sums.items()}
-        lines.append(f"| {l + 1} | {rates[l]:.3f} | {c['top_dropped'] / c['rows']:.3f} "
-                     f"| {c['noise'] / inverted(l, p0):.2f} | {c['noise'] / inverted(l, rates[l]):.2f} "
-                     f"| {c['rowsum'] / c['rows']:.3f} | {row_max[l]:.2f} |")
-    lines += ["", "| attention dropout | [CLS] output change against eval (relative L2, mean of draws) |", "|---|---|"]
-    lines += [f"| {name} | {statistics.mean(v):.3f} |" for name, v in change.items()]
-    note = (f"{a.init}, the first {ids.size(0)} dev sentences of {a.datasets[0]}, hidden dropout off, {PROBE_DRAWS} "
-            f"draws; noise against plain inverted dropout on the same attention probabilities, at p0 = {p0:g} and "
-            f"at the layer's measured drop rate.")
-    write_table(a, f"probe_attendout_trained_{a.datasets[0]}", lines, note)
-    return sums
-
-
-def recording(l, hook, seen):
-    """A G-Net hook that also appends (l, A, A', valid) of each mask it applies to `seen`."""
-    def wrapped(x):
-        drop_fn = hook(x)
-
-        def record(A, valid, pair_scores):
-            out = drop_fn(A, valid, pair_scores)         # A' = A k / (1 - pi), methods.md §3.1
-            seen.append((l, A.detach(), out.detach(), valid))
-            return out
-        return record
-    return wrapped
-
-
-# -----------------------------------------------------------------------------
 # The command line
 
 EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-long-probe": listops_long_probe,
-               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout,
-               "attendout-trained-probe": attendout_trained_probe}
+               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout}
 
 
 def main(argv=None):
@@ -693,7 +591,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT)")
     ap.add_argument("--tables", default=os.path.join("out", "tables"), help="where the tables and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),
-                    help="pretrained-*, the probe: a folder with sst2/ and mr/ (train.tsv, dev.tsv: label<TAB>text)")
+                    help="pretrained-*: a folder with sst2/ and mr/ (train.tsv, dev.tsv: label<TAB>text)")
     ap.add_argument("--datasets", nargs="+", default=DEFAULT_DATASETS)
     ap.add_argument("--init", default=None, help="pretrained-*: a converted checkpoint (python model.py convert)")
     ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),
@@ -712,7 +610,7 @@ def main(argv=None):
     a.out = a.out or os.path.join("out", "listops-long" if a.experiment == "listops-long-probe" else a.experiment)
     if a.candidates and a.experiment != "listops-long":
         fail("--candidates: only for listops-long")
-    if a.experiment.startswith(("pretrained", "attendout")):
+    if a.experiment.startswith("pretrained"):
         if a.init is None:
             fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
         if not os.path.exists(a.init):

@@ -100,12 +100,18 @@ def test_classifier_head_matches(tmp_path, family):
 
 
 def test_textbook_path_equals_fused(tmp_path):
-    """The explicit softmax path (used when a hook needs the probabilities) equals SDPA."""
+    """The explicit softmax path (used when AttendOut's mask_fn changes the logits) equals SDPA under an
+    identity mask_fn."""
     from model import dense_attention
     q, k, v = torch.randn(3, 2, 4, 6, 8, dtype=torch.float64).unbind(0)
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]).bool()
-    identity = lambda A, valid, pair_scores: A
-    assert torch.allclose(dense_attention(q, k, v, mask), dense_attention(q, k, v, mask, drop_fn=identity), atol=1e-12)
+    calls = []
+
+    def identity(S, valid, pair_scores):
+        calls.append(S.shape)
+        return S
+    assert torch.allclose(dense_attention(q, k, v, mask), dense_attention(q, k, v, mask, mask_fn=identity), atol=1e-12)
+    assert calls == [(2, 4, 6, 6)]                        # the explicit path ran, once, on the logits [B, H, L, L]
 
 
 def test_position_extension_by_copying(tmp_path):

@@ -1,8 +1,13 @@
-"""SAR and R-Drop (methods.md §2.3): the shift, the losses' properties, and sparse / HST models built on the encoder."""
+"""SAR and R-Drop (methods.md §2.3): the shift, the views' consistency, the loss train.py builds from them
+(train.classify_loss), and sparse / HST models built on the encoder."""
 import pytest
 import torch
+import torch.nn.functional as F
 
+import data
 import sar
+import train
+from helpers import train_args
 from model import Config, Model, load_pretrained
 
 
@@ -54,25 +59,69 @@ def test_dense_shift_gives_same_token_outputs_and_zero_consistency(style):
     real = b["attention_mask"].bool()
     assert (h - hs)[real].abs().max() < 1e-5
     model.train()   # no dropout configured: train mode is deterministic too
-    _, _, cons = sar.sar_loss(model, b, 1.0, 1)
-    assert abs(cons.item()) < 1e-6
+    z0, z1 = sar.stacked_views(model, b, second=1)
+    assert abs(sar.consistency(z0, z1).item()) < 1e-6
 
 
 @pytest.mark.parametrize("attention", ["sparse", "hst"])
 def test_sparse_topologies_have_positive_consistency(attention):
     model = tiny(attention, window=0, num_global=1).train()
-    loss, ce, cons = sar.sar_loss(model, batch(), 1.0, 1)
+    b = batch()
+    z0, z1 = sar.stacked_views(model, b, second=1)
+    cons = sar.consistency(z0, z1)
     assert cons.item() > 1e-6
-    loss.backward()
+    (F.cross_entropy(z0, b["labels"]) + F.cross_entropy(z1, b["labels"]) + cons).backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("mlm."))
 
 
 def test_rdrop_consistency_comes_from_dropout_only():
     b = batch()
-    _, _, cons = sar.rdrop_loss(tiny("sparse", dropout=0.0).train(), b, 1.0)
+    cons = sar.consistency(*sar.stacked_views(tiny("sparse", dropout=0.0).train(), b, second=0))
     assert abs(cons.item()) < 1e-6
-    _, _, cons = sar.rdrop_loss(tiny("sparse", dropout=0.3).train(), b, 1.0)
+    cons = sar.consistency(*sar.stacked_views(tiny("sparse", dropout=0.3).train(), b, second=0))
     assert cons.item() > 1e-6
+
+
+@pytest.mark.parametrize("method", ["--sar", "--rdrop"])
+def test_alpha_weighs_the_consistency_in_the_loss_train_py_optimises(method):
+    """train.classify_loss with --sar ALPHA (--rdrop ALPHA): L = 1/2 (CE(view 1) + CE(view 2)) + ALPHA x
+    consistency. The same seed before every call gives the same dropout noise and random blocks, so the views
+    are the same in every call: doubling ALPHA adds exactly one consistency; the CE part is the mean of the two
+    views' CE. SAR: a sparse model without dropout (the views differ by topology); R-Drop: with dropout."""
+    model = tiny("sparse", dropout=0.0 if method == "--sar" else 0.3, window=0, num_global=1).train()
+    b = batch()
+    task = data.TaskData(train=[], dev={}, num_labels=3, is_regression=False, metric_name="acc",
+                         label_names=["0", "1", "2"])
+    runs = {}
+    for alpha in (1.0, 2.0):
+        torch.manual_seed(0)
+        loss, parts = train.classify_loss(model, b, train_args(method, str(alpha)), task, None)
+        runs[alpha] = loss.item(), parts
+    (loss1, parts), (loss2, parts2) = runs[1.0], runs[2.0]
+    assert parts == parts2                                   # the same views in both calls
+    assert parts["consistency"] > 1e-6                       # the views differ: alpha has something to weigh
+    assert loss1 == pytest.approx(parts["ce"] + parts["consistency"], rel=1e-6)
+    assert loss2 - loss1 == pytest.approx(parts["consistency"], rel=1e-4)
+    torch.manual_seed(0)                                     # the CE part: both views', averaged
+    z0, z1 = sar.stacked_views(model, b, second=1 if method == "--sar" else 0)
+    assert parts["ce"] == pytest.approx(0.5 * (F.cross_entropy(z0, b["labels"]) +
+                                               F.cross_entropy(z1, b["labels"])).item(), rel=1e-6)
+    assert parts["consistency"] == pytest.approx(sar.consistency(z0, z1).item(), rel=1e-6)
+
+
+def test_stacked_views_put_the_masked_view_last_on_the_original_topology():
+    """SAR with AttendOut: views [original, shifted, masked]; the masked view is a copy of the ORIGINAL (a G-Net
+    that keeps every pair leaves it equal to view 1), not of the shifted view (which differs on a sparse model)."""
+    model = tiny("sparse", window=0, num_global=1, attn_dropout="attendout").train()
+    for layer in model.layers:
+        with torch.no_grad():
+            layer.attn.drop.gnet.weight.zero_()
+            layer.attn.drop.gnet.bias.fill_(1.0)            # G = 1 > 0 on every pair: nothing masked
+    z = sar.stacked_views(model, batch(), second=1, masked=True)
+    assert len(z) == 3 and all(zi.shape == (3, 3) for zi in z)
+    assert torch.allclose(z[2], z[0], atol=1e-5)
+    assert sar.consistency(z[0], z[1]).item() > 1e-6
+    assert [layer.attn.drop.mask_rate() for layer in model.layers] == [0.0, 0.0]   # the masked pass ran
 
 
 def test_consistency_is_symmetric_kl_and_squared_difference():
@@ -84,8 +133,6 @@ def test_consistency_is_symmetric_kl_and_squared_difference():
     assert sar.consistency(z1, z1).item() == 0.0
     r1, r2 = torch.tensor([[1.0], [3.0]]), torch.tensor([[2.0], [0.0]])
     assert sar.consistency(r1, r2, regression=True).item() == pytest.approx((1 + 9) / 2)
-    loss, ce, cons = sar.paired_loss(z1, z2, torch.tensor([0]), alpha=2.0)
-    assert torch.allclose(loss, ce + 2.0 * cons)
 
 
 @pytest.mark.parametrize("attention", ["sparse", "hst"])

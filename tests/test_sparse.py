@@ -10,7 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sparse import block_sparse_attention, dense_mask, hst_attention, hst_dense_mask, random_blocks  # noqa: E402
+from sparse import (block_sparse_attention, dense_mask, hst_attention, hst_dense_mask, random_blocks,  # noqa: E402
+                    real_keys)
 
 TOL = 1e-9
 
@@ -124,47 +125,65 @@ def test_hst_equals_dense(n, b, w, g, r):
 
 
 @pytest.mark.parametrize("hst", [False, True])
-def test_drop_fn_hook(hst):
-    n, b, H, d = 32, 4, 2, 8
+def test_mask_fn_hook(hst):
+    """AttendOut's contract with the kernels (methods.md §3.1): mask_fn(S, valid, pair_scores) -> S' is called on
+    the LOGITS of the block layout, then of the global rows: S = q k^T / sqrt(d) there, before any mask; valid
+    marks exactly the real (query, key) pairs the pattern allows, each once; pair_scores(a, c) is a_i . c_j at
+    the layout's (query i, key j); and the kernel's softmax runs on what the hook returns."""
+    n, b, H, d, g = 32, 4, 2, 8, 2
     m = n // b
     am = padding(n, b)
+    B = am.shape[0]
     L = n + m if hst else n
-    q, k, v = qkv(am.shape[0], H, L, d=d, seed=3)
+    q, k, v = qkv(B, H, L, d=d, seed=3)
     kernel = hst_attention if hst else block_sparse_attention
-    kw = dict(block_size=b, window=1, num_global=2, num_random=1)
+    kw = dict(block_size=b, window=1, num_global=g, num_random=1)
+    allowed = (hst_dense_mask if hst else dense_mask)(n, am, num_heads=H, batch_size=B,
+                                                      generator=torch.Generator().manual_seed(0), **kw)
+    real = real_keys(am, n, b, hst, B)                                   # [B, L]: real tokens (HST: and R_j)
+    allowed_real = allowed & real[:, None, :, None]                      # the pairs AttendOut counts
+    idx = torch.arange(L, dtype=torch.float64).view(1, 1, L, 1).expand(B, H, L, 1)
+    one = torch.ones(B, H, L, 1, dtype=torch.float64)
+    a, c = qkv(B, H, L, d=3, seed=4)[:2]                                 # any G-Net features
     calls = []
 
-    def record(A, valid, pair_scores):
-        s = pair_scores(q, k) / math.sqrt(d)
-        assert s.shape == A.shape and valid.dtype == torch.bool
-        assert torch.broadcast_shapes(valid.shape, A.shape) == A.shape
-        e = pair_scores(q[..., :3], torch.ones_like(k[..., :3]))  # any last dim e
-        assert e.shape == A.shape
-        # valid marks the real (query, key) pairs the pattern allows: on the real query rows A is the softmax
-        # over exactly those keys; a padding query row has no valid pair (it counts for nothing in AttendOut)
-        ref = torch.nan_to_num(s.masked_fill(~valid, float("-inf")).softmax(-1), nan=0.0)
-        real_rows = valid.expand_as(A).any(-1)
-        torch.testing.assert_close(A[real_rows], ref[real_rows], atol=TOL, rtol=0)
-        assert (A[real_rows][~valid.expand_as(A)[real_rows]] == 0).all()
-        rows = am.bool()[:, None, :, None] if len(calls) else None          # the global rows: [B, 1, g, 1]
-        if rows is None:                                                    # block layout: [B, 1, m, bq, 1]
-            rows = am.bool().view(-1, 1, m, b, 1)
-            if hst:
-                rows = torch.cat([rows, am.bool().view(-1, 1, m, b).any(-1)[..., None, None]], dim=3)
-        else:
-            rows = rows[:, :, :A.shape[2]]
-        assert not (valid.expand_as(A) & ~rows.expand_as(A)).any()          # padding rows are never valid
-        calls.append(A.shape)
-        return A
+    def record(S, valid, pair_scores):
+        assert valid.dtype == torch.bool and torch.broadcast_shapes(valid.shape, S.shape) == S.shape
+        torch.testing.assert_close(S, pair_scores(q, k) / math.sqrt(d), atol=TOL, rtol=0)   # the raw logits
+        assert torch.isfinite(S).all()                                   # no mask filled in yet
+        assert pair_scores(q[..., :3], torch.ones_like(k[..., :3])).shape == S.shape         # any last dim e
+        qi, kj = pair_scores(idx, one).long(), pair_scores(one, idx).long()   # each entry's (query, key)
+        flat = (qi * L + kj).reshape(B, H, -1)
+        dense_G = (a @ c.transpose(-1, -2)).reshape(B, H, -1)            # a c^T, densely
+        torch.testing.assert_close(pair_scores(a, c), dense_G.gather(2, flat).view(S.shape), atol=TOL, rtol=0)
+        count = torch.zeros(B, H, L * L, dtype=torch.float64)
+        count.scatter_add_(2, flat, valid.expand_as(S).reshape(B, H, -1).double())
+        count = count.view(B, H, L, L)
+        assert count.max() <= 1                                          # no pair marked twice
+        # the block layout answers every row but the g global ones (their output comes from the second call)
+        rows = torch.arange(L) >= g if not calls else torch.arange(L) < g
+        assert torch.equal(count[:, :, rows] > 0, allowed_real[:, :, rows])
+        calls.append(S.shape)
+        return S
 
-    out = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), drop_fn=record, **kw)
+    out = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), mask_fn=record, **kw)
     ref = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), **kw)
     torch.testing.assert_close(out, ref, atol=TOL, rtol=0)
     bq, K = (b + 1, 3 * b + b + 2 + 1) if hst else (b, 3 * b + b + 2)
-    assert calls == [(4, H, m, bq, K), (4, H, 2, L)]  # block layout, then the global rows
+    assert calls == [(B, H, m, bq, K), (B, H, g, L)]  # block layout, then the global rows
 
-    zero = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), drop_fn=lambda A, *_: A * 0, **kw)
-    assert torch.equal(zero, torch.zeros_like(zero))
+    # the returned logits are the ones softmaxed: -10000 on every pair of key j0 (found through pair_scores, as
+    # the G-Net finds its pairs) gives that key probability 0 (no gradient reaches its value), and the output is
+    # dense attention under the pattern without that key
+    j0 = 9                                            # a token of block 2, real in three of the four rows
+    q, k, v = qkv(B, H, L, d=d, seed=3, grad=True)
+    out = kernel(q, k, v, am, generator=torch.Generator().manual_seed(0), **kw,
+                 mask_fn=lambda S, valid, pair_scores: S - 10000.0 * (pair_scores(one, idx) == j0))
+    without = allowed & (torch.arange(L) != j0)
+    torch.testing.assert_close(out, masked_attention(q, k, v, without), atol=TOL, rtol=0)
+    assert not torch.allclose(out, masked_attention(q, k, v, allowed), atol=1e-3)   # j0 mattered
+    out.pow(2).sum().backward()
+    assert (v.grad[:, :, j0] == 0).all() and (v.grad[:3, :, j0 + 1] != 0).all()
 
 
 def test_plain_dropout_changes_output():
@@ -200,12 +219,12 @@ def test_backward(hst):
 @pytest.mark.parametrize("drop", ["none", "dropout", "hook"])
 def test_no_quadratic_tensor(monkeypatch, drop):
     """Every score matrix in the kernel is block-sized: no matmul result has two sides of length n (without
-    dropout, with dropout, and with an AttendOut-style hook that asks for the pair scores q_i . k_j)."""
+    dropout, with dropout, and with an AttendOut-style mask_fn that asks for the pair scores q_i . k_j)."""
     n, b = 512, 16
     q, k, v = (torch.randn(1, 1, n, 8) for _ in range(3))
     kw = dict(dropout_p=0.1) if drop == "dropout" else {}
     if drop == "hook":
-        kw = dict(drop_fn=lambda A, valid, pair_scores: A * pair_scores(q, k).sigmoid())
+        kw = dict(mask_fn=lambda S, valid, pair_scores: S - 10000.0 * (pair_scores(q, k) <= 0))
     biggest = []
     real_matmul = torch.matmul
 

@@ -66,22 +66,45 @@ def test_child_process_reports_time_and_memory():
     assert len(r["times"]) == 1 and r["peak_bytes"] >= 0 and r["flops"] > 0
 
 
-def test_load_checkout_imports_a_second_copy_side_by_side():
+def test_load_checkout_imports_a_second_copy_side_by_side(monkeypatch):
     """--base DIR: DIR's model / attendout / sar are fresh module objects; `import model` still gives ours, and
-    a train step of the base's AttendOut model holds the base's budget."""
+    section 5's AttendOut step of the base's model (bench.sar_losses(lib)["AttendOut"]) runs its masked pass
+    through the base's sar.stacked_views and attendout.keep_reward, never through ours."""
+    import attendout
     import model
+    import sar
     lib = bench.load_checkout(ROOT)
     assert lib.model is not model and sys.modules["model"] is model and lib.tag == " (base)"
     assert lib.model.__file__ == model.__file__ and lib.model.Model is not model.Model
+    assert lib.sar is not sar and lib.attendout is not attendout
     cfg = bench.make_config(lib, vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
-                            max_positions=70, attn_dropout="attendout", no_such_field=1)   # a base drops it
+                            max_positions=70, attn_dropout="attendout", num_labels=2,
+                            no_such_field=1)   # a base drops it
     net = lib.model.Model(cfg).train()
-    before = [m.gnet.target.clone() for m in lib.attendout.attendout_modules(net)]   # two layers: one layer's
-    # target is rho itself (the mean over one layer), two layers' targets move apart from it
-    assert torch.isfinite(bench.train_step(net, bench.random_batch(2, 16, 50, "cpu"), bench.ours_hidden_loss,
-                                           lib=lib))
-    after = [m.gnet.target for m in lib.attendout.attendout_modules(net)]
-    assert not all(map(torch.equal, before, after))      # hold_budget ran after the step
+    calls = []
+
+    def counted(module, name):
+        original = getattr(module, name)
+
+        def wrapped(*a, **k):
+            calls.append(name)
+            return original(*a, **k)
+        monkeypatch.setattr(module, name, wrapped)
+
+    def not_ours(*a, **k):
+        raise AssertionError("the base's model ran through our module")
+    counted(lib.sar, "stacked_views")
+    counted(lib.attendout, "keep_reward")
+    monkeypatch.setattr(sar, "stacked_views", not_ours)
+    monkeypatch.setattr(attendout, "keep_reward", not_ours)
+    batch = bench.random_batch(2, 16, 50, "cpu", num_labels=2)
+    loss = bench.train_step(net, batch, bench.sar_losses(lib)["AttendOut"], lib=lib)
+    assert torch.isfinite(loss)
+    assert calls == ["stacked_views", "keep_reward"]
+    # the masked pass ran in every layer: each G-Net measured a masking rate and got a gradient
+    mods = lib.attendout.attendout_modules(net)
+    assert len(mods) == 2 and all(0 <= r <= 1 for r in lib.attendout.mask_rates(net))    # nan: did not run
+    assert all(m.gnet.weight.grad is not None and m.gnet.weight.grad.abs().sum() > 0 for m in mods)
 
 
 def test_load_checkout_refuses_a_folder_without_model(tmp_path, capsys):
@@ -112,15 +135,23 @@ def test_cli_quick_section_writes_json(tmp_path):
 
 
 def test_cli_base_runs_both_checkouts_side_by_side(tmp_path):
-    """`--only attendout --base DIR --clock cpu`: four models timed alternately, after / before figures."""
+    """`--only attendout --base DIR --clock cpu`: section 5's three steps (plain, R-Drop, AttendOut) of both
+    checkouts timed alternately, AttendOut against R-Drop, and the after / before figures."""
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "research/bench.py", "--quick", "--only", "attendout", "--rounds", "1",
                         "--warmup", "0", "--threads", "1", "--clock", "cpu", "--base", ROOT, "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| attendout (base) |" in r.stdout and "attendout / attendout (base): ratio" in r.stdout
+    assert "| R-Drop (base) |" in r.stdout and "AttendOut / R-Drop train step: ratio" in r.stdout
     res = json.loads(out.read_text())
     assert res["meta"]["base"] == ROOT and res["meta"]["clock"] == "cpu"
+    sec = res["results"]["attendout"]
+    assert sorted(sec["train_times"]) == sorted(k + tag for k in ("standard", "R-Drop", "attendout")
+                                                for tag in ("", " (base)"))
+    assert [f["name"] for f in sec["figures"]] == [
+        "AttendOut / R-Drop train step", "AttendOut / standard train step", "AttendOut / standard inference",
+        "attendout / attendout (base)", "standard / standard (base)", "R-Drop / R-Drop (base)"]
 
 
 def test_peak_tensor_bytes_counts_live_tensors():

@@ -237,7 +237,11 @@ def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_init, capfd):
     assert f"| sst2 | lowres | attendout | {experiments.fmt(raw['attendout'])} | " \
            f"{experiments.fmt_diff(raw['standard'], raw['attendout'])} |" in table and "(baseline)" in table
     final = json.load(open(tiny_init / "tables" / "droprates_pretrained_sst2_final.json"))["sst2-lowres"]
-    assert len(final) == 1 and 0 < final[0] < 0.5                            # one layer's final drop rate
+    last = [json.loads(open(out / f"sst2-lowres-attendout-s{s}" / "droprates.jsonl").readlines()[-1])
+            for s in (0, 1)]                  # each attendout run's masking rates at its last step
+    assert all(rec["step_frac"] == 1.0 and len(rec["drop_rate"]) == 1 for rec in last)
+    assert final == [round((last[0]["drop_rate"][0] + last[1]["drop_rate"][0]) / 2, 3)]   # one layer, mean of seeds
+    assert 0 < final[0] < 1                   # the G-Net masks some of the real pairs, not none and not all
     assert not os.path.exists(out / "sst2-lowres-standard-s0" / "ckpt_last.pt")      # checkpoints dropped
     assert run_grid(tiny_init, argv, capfd) == []                            # resumable: nothing runs again
     assert open(tiny_init / "tables" / "results_pretrained_attendout_sst2.md").read() == table
@@ -255,33 +259,3 @@ def test_sparse_grid_scores_every_shift_of_the_final_weights(tiny_init, capfd):
     assert raw["hst"]["acc_by_shift"][0] == [dev["acc"]] + [dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8)]
     assert "| sst2 | lowres | hst | " in open(tiny_init / "tables" / "results_pretrained_sparse_sst2.md").read()
     assert not os.path.exists(out / "sst2-lowres-hst-s0" / "ckpt_last.pt")       # checkpoints dropped
-
-
-def test_trained_probe_sees_standard_dropout_in_a_uniform_g_net(tiny_init, capfd):
-    """A G-Net that never learned (--gnet-lr 0: pi = p0 on every pair) is standard dropout at p0, so the probe
-    must measure it as such: drop rate p0 on all keys and on each row's largest key alike, the noise of standard
-    dropout (ratio 1), rows summing to 1 on average, at most 1 / (1 - p0) each."""
-    run = tiny_init / "uniform-gnet"
-    train.main(["--task", "tsv", "--data", str(tiny_init / "data" / "sst2"), "--text-col", "1", "--label-col", "0",
-                "--init", str(tiny_init / "init" / "ckpt_last.pt"), "--max-steps", "1", "--batch-size", "16",
-                "--attn-dropout", "attendout", "--gnet-lr", "0", "--out", str(run)])
-    capfd.readouterr()
-    probe = ["attendout-trained-probe", "--data-root", str(tiny_init / "data"), "--datasets", "sst2",
-             "--tables", str(tiny_init / "tables"), "--out", str(tiny_init / "probe-out")]
-    sums = experiments.main([*probe, "--init", str(run / "ckpt_last.pt")])
-    text = open(tiny_init / "tables" / "probe_attendout_trained_sst2.md").read()
-    row = next(line for line in text.splitlines() if line.startswith("| 1 | ")).split(" | ")
-    rate, top, noise, noise_at_rate, mean_sum, max_sum = (float(x.strip(" |")) for x in row[1:])
-    assert sum(sums["pairs"]) > 20_000                           # enough pairs for the tolerances below
-    assert rate == pytest.approx(0.1, abs=0.01) and top == pytest.approx(0.1, abs=0.02)
-    assert noise == pytest.approx(1.0, abs=0.06) and noise_at_rate == pytest.approx(1.0, abs=0.06)
-    assert mean_sum == pytest.approx(1.0, abs=0.01) and max_sum <= 1 / 0.9 + 1e-3
-    change = {line.split(" | ")[0][2:]: float(line.split(" | ")[1].strip(" |")) for line in text.splitlines()
-              if line.startswith(("| AttendOut", "| plain", "| standard"))}
-    assert set(change) == {"AttendOut (trained G-Net)", "plain dropout at the G-Net's layer rates",
-                           "standard dropout 0.1"}
-    # plain dropout at the measured rate (~0.1) and at 0.1 draw nearly the same masks from the same seeds
-    assert change["plain dropout at the G-Net's layer rates"] == pytest.approx(change["standard dropout 0.1"], rel=0.1)
-    with pytest.raises(SystemExit):                              # a checkpoint without a G-Net: one error line
-        experiments.main([*probe, "--init", str(tiny_init / "init" / "ckpt_last.pt")])
-    assert "needs the checkpoint of a dense AttendOut run" in capfd.readouterr().err
