@@ -1,21 +1,8 @@
 """data.py: files on disk -> padded batches of token ids, and the scores of a model's predictions.
 
-The bottom layer of attnreg: it imports no other module of the project, so any module may import
-it. It reads the course's tasks (methods.md §4): GLUE's nine from their official folders, any
-labelled TSV / CSV / JSONL file (--task tsv) and LRA's ListOps, which it also generates. Its
-tokenizers are a checkpoint's own (equal to HuggingFace's), SentencePiece trained from scratch, or
-a fixed vocabulary (ListOps' symbols, LRA's bytes). LRA's other tasks, extractive QA and masked-LM
-pretraining are read by readers/ (lra.py, qa.py, mlm.py), which train.py picks for those tasks.
-
-Read it top to bottom, in the order the data flows:
-  1. files       a TSV / CSV / JSONL file -> records (FILE:LINE, text, pair, label)
-  2. tokenizers  text -> token ids
-  3. examples    records -> Examples; each task's reader; the task table TASKS
-  4. batches     Examples -> padded tensors, in an order fixed by (seed, epoch)
-  5. metrics     GLUE's official metrics, by hand in numpy
-  6. ListOps     LRA's generator of ListOps expressions
-  7. plumbing    DataError and the one-line `error:`, the lock on --out, the command line
-Bad input raises a DataError that names the file and line, or the flag: one `error:` line, exit 2.
+The bottom layer of attnreg: it imports no other module of the project. Its sections follow the
+data: 1 files, 2 tokenizers, 3 examples and the task table TASKS, 4 batches, 5 metrics, 6 the
+ListOps generator, 7 plumbing (the one-line `error:`, the lock on --out, the command line).
 
 Run: python data.py listops data/listops    # LRA's ListOps: 96,000 / 2,000 / 2,000, 500-2,000 long
 """
@@ -36,24 +23,18 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
 # -----------------------------------------------------------------------------
-# 1. Files -> records
-#
-# Every reader starts from a file and ends in records (where, text, pair, label): `where` is the
-# "FILE:LINE" an error about the record names, `pair` the second text of a pair (or None), `label`
-# the label as the file writes it, a string. Files are UTF-8; TSV is read as GLUE writes it (tabs,
-# no quoting), CSV with the usual quoting, JSONL as one JSON value a line. Long documents (LRA's
-# texts, ListOps expressions) exceed csv's default field limit of 128 KiB.
+# 1. Files -> records (where, text, pair, label): `where` is the "FILE:LINE" an error names, `pair`
+# the second text (or None), `label` the label as the file writes it. Files are UTF-8; TSV is read
+# as GLUE writes it (no quoting), CSV with quoting, JSONL as one JSON value a line.
+csv.field_size_limit(2**31 - 1)                     # LRA's long texts pass the default 128 KiB
 
-csv.field_size_limit(2**31 - 1)
-
-# The text of a file, a byte-order mark dropped (the "-sig" of utf-8-sig). A file that is not UTF-8
-# is an error naming the line and column of its first bad byte, counted in the raw bytes.
+# A file's text, a byte-order mark dropped. Not UTF-8 is an error naming the line and column of the
+# first bad byte.
 def read_text(path, encoding="utf-8-sig"):
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
@@ -63,13 +44,11 @@ def read_text(path, encoding="utf-8-sig"):
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         column = e.start - raw.rfind(b"\n", 0, e.start)
-        byte = raw[e.start]
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x} at column {column}); "
-                        "convert the file to UTF-8") from None
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                        f"{column}); convert the file to UTF-8") from None
 
-# A TSV file (GLUE's: no quoting) or a CSV file as [(line, row)], blank lines skipped. A row's line
-# is the line it starts on: a quoted CSV field may span several. strict=True makes csv stop at a
-# quote that never closes, which would otherwise swallow the rest of the file into one field.
+# A TSV or CSV file as [(line, row)], blank lines skipped; a row's line is the one it starts on.
+# strict=True stops at a quote that never closes (else the rest of the file is one field).
 def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
     text = io.StringIO(read_text(path), newline="")
     reader = csv.reader(text, delimiter=delimiter, quoting=quoting, strict=True)
@@ -88,32 +67,24 @@ def read_rows(path, delimiter="\t", quoting=csv.QUOTE_NONE):
         raise DataError(f"{path}:1: empty file")
     return rows
 
-# A column is given by its header name or by its 0-based index; this is its index in the header.
-def _column(header, col, path):
+def _column(header, col, path):                     # a header name or a 0-based index -> the index
     if isinstance(col, str) and col not in header:
         raise DataError(f"{path}:1: no column {col!r} in header {header}")
     return header.index(col) if isinstance(col, str) else col
 
-# A JSONL file: each line one JSON object (a column by key, or by index in key order) or one JSON
-# list (a column by index). Labels become classes by their text, so 1, 1.0, "1" and true in one
-# file would silently be four classes, and a null, an object or a list is no label at all: a label
-# must be a scalar, and a file's labels all of one type (true and 1 differ, though Python's bool is
-# an int). Either is an error naming file and line; a good label is then read as text ("1").
+# A JSONL line is a JSON object (a column by key, or by index in key order) or a list (by index).
+# Labels become classes by their text, so 1, 1.0, "1" and true would be four classes: a label must
+# be a scalar, and a file's labels all of one type (true is not 1, though bool is an int).
 JSON_LABEL_TYPES = {str: "a string", int: "an integer", float: "a decimal number",
                     bool: "true / false"}
 
 def _json_value(obj, col, where):
-    # a line that is neither an object nor a list has no columns at all
-    if isinstance(obj, dict):
-        values = list(obj.values())
-    elif isinstance(obj, list):
-        values = obj
-    else:
-        values = []
+    if isinstance(obj, dict) and not isinstance(col, str):
+        obj = list(obj.values())
+    if not isinstance(obj, (dict, list)):
+        obj = []                                    # a line of one scalar has no columns
     try:
-        if isinstance(col, str):
-            return obj[col]                         # by key (an object)
-        return values[col]                          # by index
+        return obj[col]
     except (KeyError, IndexError, TypeError):
         raise DataError(f"{where}: no column {col!r} (a line is a JSON object or list)") from None
 
@@ -134,13 +105,11 @@ def read_jsonl(path, cols):
         if type(label) not in JSON_LABEL_TYPES:
             raise DataError(f"{where}: label {shown} is not a label (a label is a string, a "
                             "number or true / false)")
-        if first is None:
-            first = (line, label)
-        elif type(label) is not type(first[1]):
-            kind = JSON_LABEL_TYPES[type(label)]
-            first_kind = JSON_LABEL_TYPES[type(first[1])]
-            raise DataError(f"{where}: label {shown} is {kind}, but line {first[0]}'s label "
-                            f"{json.dumps(first[1])[:40]} is {first_kind}; a file's labels are "
+        first = first or (line, label)
+        if type(label) is not type(first[1]):
+            kinds = [JSON_LABEL_TYPES[type(v)] for v in (label, first[1])]
+            raise DataError(f"{where}: label {shown} is {kinds[0]}, but line {first[0]}'s label "
+                            f"{json.dumps(first[1])[:40]} is {kinds[1]}; a file's labels are "
                             "all of one type")
         texts = [None if c is None else str(v) for c, v in zip(cols, got)]
         records.append((where, *texts))
@@ -148,10 +117,9 @@ def read_jsonl(path, cols):
         raise DataError(f"{path}:1: empty file")
     return records
 
-# Any labelled file (.tsv, .csv or .jsonl) -> (records, skipped FILE:LINEs). cols is (text, pair
-# or None, label), each a header name or a 0-based index ("3" counts as 3); a TSV or CSV file has a
-# header row exactly when a column is given by name. Every row must have as many columns as the
-# first; skip_bad_rows skips the others instead (QQP, as transformers' GLUE processor does).
+# Any labelled file -> (records, skipped FILE:LINEs). cols: (text, pair or None, label), each a
+# header name or a 0-based index ("3" is 3); a TSV or CSV file has a header row exactly when a
+# column is named. A row with another column count than the first is an error, or skipped (QQP's).
 def read_generic(path, cols, skip_bad_rows=False):
     if cols[0] is None or cols[2] is None:
         raise DataError(f"{path}: --task tsv needs --text-col and --label-col (header names or "
@@ -188,43 +156,27 @@ def read_generic(path, cols, skip_bad_rows=False):
             records.append((f"{path}:{line}", row[ti], pair, row[li].strip()))
     return records, skipped
 
-# A split of --task tsv's folder: DIR/train.tsv, else DIR/train.csv, else DIR/train.jsonl.
-def _find_split(folder, stem):
-    candidates = [os.path.join(folder, stem + ext) for ext in (".tsv", ".csv", ".jsonl")]
-    found = [p for p in candidates if os.path.isfile(p)]
-    if not found:
-        raise DataError(f"{folder}: no {stem}.tsv, {stem}.csv or {stem}.jsonl")
-    return found[0]
+def _find_split(folder, stem):                      # DIR/STEM.tsv, else .csv, else .jsonl
+    for ext in (".tsv", ".csv", ".jsonl"):
+        if os.path.isfile(os.path.join(folder, stem + ext)):
+            return os.path.join(folder, stem + ext)
+    raise DataError(f"{folder}: no {stem}.tsv, {stem}.csv or {stem}.jsonl")
 
 # -----------------------------------------------------------------------------
-# 2. Tokenizers: text -> token ids
-#
-# One interface: encode_plus(text, pair=None, max_len=None) -> (ids, type_ids), with the special
-# tokens put in as the model's family does ([CLS] A [SEP] B [SEP] for BERT, <s> A </s></s> B </s>
-# for RoBERTa) and a pair cut to max_len as HuggingFace's "longest_first" cuts it (a token off the
-# longer text until it fits); encode gives the ids alone, decode the text back. Each also has
-# pad_id, unk_id, cls_id, sep_id, mask_id, vocab_size, and `files` ({name: bytes}), which a
-# checkpoint stores to rebuild the very same tokenizer (tokenizer_from_files). Four kinds (§4):
-#   - HFTokenizer: a pretrained checkpoint's own tokenizer.json (RoBERTa's byte-level BPE, BERT's
-#     WordPiece), run by the `tokenizers` library exactly as HuggingFace's fast tokenizer runs it;
-#   - SentencePieceTokenizer: XLM-R's sentencepiece.bpe.model, or one trained here from scratch;
-#   - ListOpsTokenizer and ByteTokenizer: the fixed vocabularies of ListOps and LRA's bytes/pixels.
-
-# The files of an HF folder we read, and the two files our own tokenizers are stored as.
+# 2. Tokenizers (§4): a checkpoint's own, SentencePiece (XLM-R's or trained here), and the fixed
+# vocabularies of ListOps and LRA's bytes. One interface: encode_plus(text, pair=None, max_len=None)
+# -> (ids, type_ids), the specials in as the family puts them, a pair cut as HuggingFace's
+# "longest_first" cuts it; encode (ids alone), decode, pad_id ... mask_id, vocab_size, and `files`
+# ({name: bytes}) from which a checkpoint rebuilds the very same tokenizer (tokenizer_from_files).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                       "vocab.txt", "sentencepiece.bpe.model")
-KIND_FILE = "attnreg_tokenizer.json"        # {"kind": "sentencepiece" | "listops" | "bytes"}
+KIND_FILE = "attnreg_tokenizer.json"        # ours: {"kind": "sentencepiece" | "listops" | "bytes"}
 SPM_FILE = "attnreg_spm.model"              # a SentencePiece model trained here
 
 # The five special tokens by role, RoBERTa's spelling first, then BERT's; and the ids our own
 # tokenizers (ListOps, bytes, SentencePiece from scratch) give them.
-SPECIAL_TOKENS = {
-    "pad": ("<pad>", "[PAD]"),
-    "unk": ("<unk>", "[UNK]"),
-    "cls": ("<s>", "[CLS]"),
-    "sep": ("</s>", "[SEP]"),
-    "mask": ("<mask>", "[MASK]"),
-}
+SPECIAL_TOKENS = {"pad": ("<pad>", "[PAD]"), "unk": ("<unk>", "[UNK]"), "cls": ("<s>", "[CLS]"),
+                  "sep": ("</s>", "[SEP]"), "mask": ("<mask>", "[MASK]")}
 FIXED_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 
 # The token tokenizer_config.json names for a role: "mask_token": "<mask>" or {"content": ...}.
@@ -239,28 +191,22 @@ def _named(config, role):
 def _special_ids(token_to_id, config):
     ids = {}
     for role, spellings in SPECIAL_TOKENS.items():
-        candidates = [t for t in (_named(config, role), *spellings) if t is not None]
-        found = [token_to_id(t) for t in candidates]
+        found = [token_to_id(t) for t in (_named(config, role), *spellings) if t is not None]
         ids[role] = next((i for i in found if i is not None), None)
         if ids[role] is None and role in ("pad", "cls", "sep"):
             raise DataError(f"tokenizer has no {role} token (looked for {spellings})")
     return ids
 
-# What every tokenizer shares: the special ids as attributes, and encode (ids without type ids).
-class _Tokenizer:
+class _Tokenizer:                                   # what every tokenizer shares
     def _set_ids(self, ids):
-        self.pad_id = ids["pad"]
-        self.unk_id = ids["unk"]
-        self.cls_id = ids["cls"]
-        self.sep_id = ids["sep"]
-        self.mask_id = ids["mask"]
+        for role, i in ids.items():
+            setattr(self, f"{role}_id", i)          # pad_id, unk_id, cls_id, sep_id, mask_id
 
     def encode(self, text, pair=None):
         return self.encode_plus(text, pair)[0]
 
-# A checkpoint's tokenizer.json, run by the `tokenizers` library, which is what HuggingFace's fast
-# tokenizer runs: the ids agree token for token (tests/test_data.py checks three families).
-# Cutting to max_len needs a copy with truncation on; one copy is kept per max_len.
+# A checkpoint's tokenizer.json, run by the `tokenizers` library as HuggingFace's fast tokenizer
+# runs it (tests/test_data.py checks three families).
 class HFTokenizer(_Tokenizer):
     def __init__(self, tok, files, config):
         tok.no_truncation()
@@ -282,18 +228,16 @@ class HFTokenizer(_Tokenizer):
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-# BERT's WordPiece tokenizer of a vocab.txt (an HF folder without tokenizer.json), built as
-# HuggingFace builds it: a token's id is its line number; BERT's normalizer (lowercase, accents as
-# the config says) and pre-tokenizer; special tokens kept whole ("[MASK]" in a text is one token);
-# [CLS] A [SEP] B [SEP] with type ids 0 up to the first [SEP], 1 after it.
+# BERT's WordPiece of a vocab.txt (an HF folder without tokenizer.json), built as HuggingFace builds
+# it: a token's id is its line number; BERT's normalizer and pre-tokenizer; special tokens kept
+# whole; [CLS] A [SEP] B [SEP] with type ids 0 up to the first [SEP], 1 after it.
 def bert_wordpiece(files, config):
     text = files["vocab.txt"].decode("utf-8").replace("\r\n", "\n").removesuffix("\n")
     vocab = {token: i for i, token in enumerate(text.split("\n"))}
     unk = next((t for t in (_named(config, "unk"), "[UNK]", "<unk>") if t in vocab), "[UNK]")
     tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True,
-        handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+        clean_text=True, handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
         strip_accents=config.get("strip_accents"),
         lowercase=bool(config.get("do_lower_case", True)))
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -302,18 +246,14 @@ def bert_wordpiece(files, config):
                 for t in (_named(config, role), *spellings) if t in vocab]
     tok.add_special_tokens(list(dict.fromkeys(specials)))     # each once, in order
     ids = _special_ids(tok.token_to_id, config)
-    sep = (tok.id_to_token(ids["sep"]), ids["sep"])
-    cls = (tok.id_to_token(ids["cls"]), ids["cls"])
+    sep, cls = [(tok.id_to_token(ids[role]), ids[role]) for role in ("sep", "cls")]
     tok.post_processor = processors.BertProcessing(sep, cls)
     return tok
 
-# A SentencePiece model, in one of two id layouts; type ids are all 0.
-#   fairseq=True: XLM-R's sentencepiece.bpe.model, mapped as transformers maps it: <s>=0 <pad>=1
-#     </s>=2 <unk>=3, SentencePiece's piece p becomes p + 1, <mask> comes last; a pair is
-#     <s> A </s></s> B </s>.
-#   fairseq=False: a model trained here (train_sentencepiece), with SentencePiece's own ids pad=0
-#     unk=1 <s>=2 </s>=3 <mask>=4 (FIXED_IDS); a pair is <s> A </s> B </s>.
-# Cutting to max_len takes a piece off the longer text until all fits (HF's longest_first).
+# A SentencePiece model, in one of two id layouts; type ids are all 0. fairseq=True: XLM-R's
+# sentencepiece.bpe.model as transformers maps it (<s>=0 <pad>=1 </s>=2 <unk>=3, piece p -> p + 1,
+# <mask> last; a pair is <s> A </s></s> B </s>). fairseq=False: one trained here, SentencePiece's
+# own ids (FIXED_IDS; a pair is <s> A </s> B </s>). A cut takes a piece off the longer text.
 class SentencePieceTokenizer(_Tokenizer):
     def __init__(self, model_bytes, files, fairseq):
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
@@ -327,18 +267,16 @@ class SentencePieceTokenizer(_Tokenizer):
             self._set_ids(FIXED_IDS)
             self.vocab_size = n
 
-    # fairseq: SentencePiece's piece p is p + 1, and its unk 0 is our unk_id 3
     def _pieces(self, text):
         ids = self.sp.encode(text)
-        return [p + 1 if p else self.unk_id for p in ids] if self.fairseq else ids
+        return [p + 1 if p else self.unk_id for p in ids] if self.fairseq else ids   # unk: 0 -> 3
 
     def encode_plus(self, text, pair=None, max_len=None):
         a = self._pieces(text)
         b = self._pieces(pair) if pair is not None else []
         specials = 2 if pair is None else 3 + self.fairseq
         while max_len is not None and len(a) + len(b) > max_len - specials:
-            longer = a if len(a) >= len(b) else b
-            longer.pop()
+            (a if len(a) >= len(b) else b).pop()
         ids = [self.cls_id] + a + [self.sep_id]
         if pair is not None:
             ids += [self.sep_id] * self.fairseq + b + [self.sep_id]   # fairseq: </s></s> between
@@ -351,10 +289,9 @@ class SentencePieceTokenizer(_Tokenizer):
             ids = [i - 1 if i != self.unk_id else 0 for i in ids]
         return self.sp.decode(ids)
 
-# A SentencePiece model of the training texts, for a model trained from scratch on text (§4).
-# It is cached beside the data as PREFIX-<hash>.model, the hash of the vocabulary size, the model
-# type and every text: the same data reuses the file, changed data trains anew. SentencePiece's
-# error (too large a vocabulary for the text) becomes one line.
+# A SentencePiece model of the training texts, for a model trained from scratch on text (§4),
+# cached as PREFIX-<hash>.model, the hash of vocabulary size, model type and every text: the same
+# data reuses the file. SentencePiece's error (a vocabulary too large for the text) is one line.
 def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
     texts = [t for t in texts if t.strip()]
     key = "\n".join([f"{vocab_size} {model_type}", *texts]).encode("utf-8")
@@ -364,18 +301,15 @@ def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="u
         try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=vocab_size,
-                model_type=model_type, character_coverage=0.9995,
-                pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-                pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
-                user_defined_symbols=["<mask>"],
-                input_sentence_size=2_000_000, shuffle_input_sentence=True, minloglevel=2)
+                model_type=model_type, character_coverage=0.9995, pad_id=0, unk_id=1, bos_id=2,
+                eos_id=3, pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>", eos_piece="</s>",
+                user_defined_symbols=["<mask>"], input_sentence_size=2_000_000,
+                shuffle_input_sentence=True, minloglevel=2)
         except RuntimeError as e:
-            # e.g. "Vocabulary size too high (8000). Please set it to a value <= 1234."
             raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]}") from None
     return _scratch_spm(Path(prefix + ".model").read_bytes())
 
-# A SentencePiece model trained here, with the files a checkpoint stores to rebuild it.
-def _scratch_spm(model_bytes):
+def _scratch_spm(model_bytes):                      # trained here, with the files to rebuild it
     files = {KIND_FILE: json.dumps({"kind": "sentencepiece"}).encode(), SPM_FILE: model_bytes}
     return SentencePieceTokenizer(model_bytes, files, fairseq=False)
 
@@ -421,19 +355,16 @@ class ByteTokenizer(_FixedTokenizer):
     def _pieces(self, text):
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    # [cls] + (value + 5) per byte or pixel
     def encode_values(self, values, max_len=None):
-        ids = [self.cls_id] + [int(v) + self.OFFSET for v in values]
-        return ids[:max_len]
+        return ([self.cls_id] + [int(v) + self.OFFSET for v in values])[:max_len]
 
     def decode(self, ids):
         raw = bytes(int(i) - self.OFFSET for i in ids if int(i) >= self.OFFSET)
         return raw.decode("utf-8", errors="replace")
 
-# The tokenizer of {filename: bytes}, an HF folder's files or a checkpoint's. Ours say their kind
-# in KIND_FILE; an HF folder is read by what it holds, tokenizer.json first, with the special
-# tokens its special_tokens_map.json and tokenizer_config.json (which wins) name. Damaged files are
-# one DataError: the `tokenizers` library raises plain Exceptions for them.
+# The tokenizer of {filename: bytes}: ours name their kind in KIND_FILE; an HF folder is read by
+# what it holds, tokenizer.json first, with the special tokens special_tokens_map.json and
+# tokenizer_config.json (which wins) name. Damaged files (plain Exceptions) are one DataError.
 def tokenizer_from_files(files):
     try:
         if KIND_FILE in files:
@@ -464,55 +395,44 @@ def tokenizer_from_files(files):
 # A checkpoint stores the tokenizer's files as uint8 tensors (ckpt["tokenizer"]["files"]), which
 # torch.load reads with weights_only=True: no pickled code. These two convert between the forms.
 def files_to_tensors(files):
-    # torch.frombuffer refuses an empty buffer
-    return {name: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b
+    return {name: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b    # it refuses b""
             else torch.zeros(0, dtype=torch.uint8) for name, b in files.items()}
 
 def tensors_to_files(stored):
     return {name: t.numpy().tobytes() for name, t in stored.items()}
 
-# {filename: bytes} of the tokenizer files a folder holds (an HF folder, or one we exported).
-def read_tokenizer_folder(folder):
+def read_tokenizer_folder(folder):                  # {filename: bytes} of those a folder holds
     names = HF_TOKENIZER_FILES + (KIND_FILE, SPM_FILE)
     return {n: Path(folder, n).read_bytes() for n in names if Path(folder, n).is_file()}
 
-# The tokenizer of a path: an HF folder, or a .pt checkpoint (python model.py convert, a run's
-# ckpt_*.pt) with its files under ckpt["tokenizer"]["files"]. For Python and the tests: train.py
-# picks its own (the checkpoint's, the task's fixed one, or SentencePiece trained on the data).
+# The tokenizer of an HF folder or of a .pt checkpoint (model.py convert, a run's ckpt_*.pt), for
+# Python and the tests; train.py picks its own (the checkpoint's, the task's, or SentencePiece's).
 def tokenizer_from_path(path):
     if os.path.isdir(path):
         return tokenizer_from_files(read_tokenizer_folder(path))
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such tokenizer folder or checkpoint")
     try:
-        # weights_only: tensors and plain types only
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        stored = ckpt["tokenizer"]["files"]
+        stored = torch.load(path, map_location="cpu", weights_only=True)["tokenizer"]["files"]
     except (KeyError, TypeError):
         raise DataError(f"{path}: checkpoint has no tokenizer files "
                         "(ckpt['tokenizer']['files'])") from None
-    except Exception as e:
-        # not a torch file, or one weights_only refuses
+    except Exception as e:                          # not a torch file, or weights_only refuses it
         raise DataError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
     return tokenizer_from_files(tensors_to_files(stored))
 
 # -----------------------------------------------------------------------------
-# 3. Examples: records -> token ids, each task's reader, the task table
-#
-# A reader turns a task's files into a TaskData: its training Examples, its dev splits (MNLI has
-# two), and what the model and the scores need (how many labels, which metric, which head). An
-# Example is one input: token ids with the specials in, type ids (None: all zeros), and a label,
-# a class index or, for STS-B's regression, a float score.
-
+# 3. Examples, each task's reader, the task table. data.py reads GLUE's nine tasks, any labelled
+# TSV / CSV / JSONL file (--task tsv) and ListOps; readers/ reads LRA's other four, QA and MLM. A
+# reader turns a task's files into a TaskData: training Examples, dev splits, what the model needs.
 @dataclass
 class Example:
     ids: list                   # token ids, special tokens included (a list, or LRA's numpy array)
     type_ids: list | None       # segment ids, or None (= all zeros)
     label: int | float          # a class index, or a float score (STS-B); QA: (start, end)
 
-# LRA Retrieval's dual encoder encodes each of the two documents on its own (model.PairHead).
 @dataclass
-class PairExample:
+class PairExample:              # LRA Retrieval's: model.PairHead encodes each document on its own
     ids: list                   # the first document, [cls] + tokens
     ids2: list                  # the second document
     label: int
@@ -564,8 +484,7 @@ def _labelled_examples(records, tok, max_len, label_index, stats):
         else:
             expected = sorted(label_index)
             raise DataError(f"{where}: unknown label {label!r} (expected one of {expected})")
-        ids, type_ids = _encode(tok, text, pair, max_len, stats)
-        examples.append(Example(ids, type_ids, y))
+        examples.append(Example(*_encode(tok, text, pair, max_len, stats), y))
     return examples
 
 # A labelled file -> (examples, label_names, n_truncated). A training file's own labels are the
@@ -576,10 +495,8 @@ def load_generic(path, tok, *, text_col, label_col, text_pair_col=None, max_len=
     records, _ = read_generic(path, (text_col, text_pair_col, label_col))
     if label_names is None:
         labels = set(r[3] for r in records)
-        if all(s.lstrip("-").isdigit() for s in labels):
-            label_names = sorted(labels, key=int)
-        else:
-            label_names = sorted(labels)
+        numeric = all(s.lstrip("-").isdigit() for s in labels)
+        label_names = sorted(labels, key=int if numeric else None)
     stats = {"truncated": 0}
     index = {s: i for i, s in enumerate(label_names)}
     examples = _labelled_examples(records, tok, max_len, index, stats)
@@ -605,10 +522,8 @@ GLUE = {
 GLUE = {name: {"dev": ("dev",), "metric": "acc", **spec} for name, spec in GLUE.items()}
 
 # The readers share one signature with those of readers/: (name, data_dir, tok, *, max_len,
-# train_file, dev_file, text_col, text_pair_col, label_col) -> TaskData.
-
-# GLUE: DIR/train.tsv and the task's dev splits, or --train-file and --dev-file. QQP's rows with
-# missing columns are skipped and reported, as transformers' GLUE processor skips them.
+# train_file, dev_file, text_col, text_pair_col, label_col) -> TaskData. GLUE's reads DIR/train.tsv
+# and the dev splits, or --train-file and --dev-file; QQP's rows with missing columns are skipped.
 def load_glue(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
     spec = GLUE[name]
     labels = spec["labels"]
@@ -653,27 +568,17 @@ def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None
     return TaskData(split["train"], {"dev": split["dev"]}, 10, False, "acc", list(digits),
                     stats["truncated"])
 
-# A task's entry in the table: how train.py trains it and the console shows it.
-#   load       its reader above; None for the tasks readers/ reads (LRA's other four, SQuAD,
-#              masked LM): train.py picks their module where it picks the task (train.reader),
-#              since data.py imports none of them
-#   objective  train.py's loss: "classify" (cross-entropy; MSE for STS-B), "pair" (LRA Retrieval's
-#              two documents), "mlm" (masked LM) or "span" (extractive QA)
-#   metric     the main dev metric, which picks the best checkpoint (a key of compute_metrics)
-#   max_len    --max-len when it is not given (LRA: LRA's input lengths + [cls])
-#   tokenizer  the task's own vocabulary; None: the checkpoint's, or from scratch a SentencePiece
-#              model of training_texts (train_sentencepiece)
-#   percent    the metrics the console shows as percents, after multiplying by `scale` (SQuAD's
-#              exact match and F1 are percents already)
+# A task's entry in the table: how train.py trains it and the console shows it. The tasks readers/
+# reads have no `load`: train.py picks their module (train.reader), as data.py imports none of them.
 @dataclass(frozen=True)
 class Task:
-    load: callable = None
-    objective: str = "classify"
-    metric: str = "acc"
-    max_len: int = 512
-    tokenizer: type = None
-    percent: tuple = ("acc", "f1")
-    scale: float = 100.0
+    load: callable = None           # its reader above, or None (readers/)
+    objective: str = "classify"     # train.py's loss: classify (MSE for STS-B), pair, mlm or span
+    metric: str = "acc"             # the main dev metric, which picks the best checkpoint
+    max_len: int = 512              # --max-len when not given (LRA: its input lengths + [cls])
+    tokenizer: type = None          # its own vocabulary; None: the checkpoint's, or SentencePiece's
+    percent: tuple = ("acc", "f1")  # the metrics shown as percents, once multiplied by `scale`
+    scale: float = 100.0            # 1.0 for SQuAD's exact match and F1, percents already
 
     @property
     def head(self):                                 # model.Config.head
@@ -683,14 +588,12 @@ TASKS = {
     **{name: Task(load_glue, metric=spec["metric"]) for name, spec in GLUE.items()},
     "tsv": Task(load_tsv),                          # --text-col, --text-pair-col, --label-col
     "listops": Task(load_listops, tokenizer=ListOpsTokenizer),
-    # readers/lra.py: bytes or pixels, LRA's lengths + [cls] (a Retrieval pair: per document)
-    "lra-text": Task(max_len=4001, tokenizer=ByteTokenizer),
+    "lra-text": Task(max_len=4001, tokenizer=ByteTokenizer),            # readers/lra.py: bytes
     "lra-retrieval": Task(objective="pair", max_len=4001, tokenizer=ByteTokenizer),
     "lra-image": Task(max_len=1025, tokenizer=ByteTokenizer),           # 32 x 32 pixels + [cls]
     "lra-pathfinder": Task(max_len=1025, tokenizer=ByteTokenizer),
-    # readers/qa.py and readers/mlm.py
-    "squad": Task(objective="span", metric="f1", percent=("em", "f1"), scale=1.0),
-    "mlm": Task(objective="mlm", metric="loss", percent=()),
+    "squad": Task(objective="span", metric="f1", percent=("em", "f1"), scale=1.0),  # readers/qa.py
+    "mlm": Task(objective="mlm", metric="loss", percent=()),            # readers/mlm.py
 }
 
 def task_entry(name):
@@ -709,8 +612,7 @@ def load_task(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, t
                       dev_file=dev_file, text_col=text_col, text_pair_col=text_pair_col,
                       label_col=label_col)
 
-# The tokenizer a task's inputs define (ListOps' symbols, LRA's bytes), or None.
-def fixed_tokenizer(name):
+def fixed_tokenizer(name):                          # ListOps' symbols, LRA's bytes, or None
     make = task_entry(name).tokenizer
     return make() if make is not None else None
 
@@ -730,16 +632,11 @@ def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=N
     return [t for _, text, pair, _ in records for t in (text, pair) if t]
 
 # -----------------------------------------------------------------------------
-# 4. Batches: Examples -> padded tensors (methods.md §4)
-#
-# A batch is padded to its own longest example, and examples of similar length share a batch: an
-# epoch shuffles the examples, sorts them by length within chunks of bucket_batches batches, cuts
-# those into batches and shuffles the batches. The order is a function of (seed, epoch) alone, so
-# a resumed run takes exactly the batches the stopped run would have; the model pads further, to a
-# multiple of the attention's block size.
-
-# The precision a batch runs in: bf16 autocast on CUDA, full fp32 on the CPU.
-def autocast(device):
+# 4. Batches: Examples -> padded tensors (methods.md §4). A batch is padded to its own longest
+# example, and examples of similar length share a batch. The order is a function of (seed, epoch)
+# alone, so a resumed run takes exactly the batches the stopped run would have; the model pads
+# further, to a multiple of the attention's block size.
+def autocast(device):                               # bf16 on CUDA, fp32 on the CPU
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 # The batch of a list of Examples: input_ids, attention_mask (1 = a real token), token_type_ids,
@@ -754,8 +651,7 @@ def collate(examples, pad_id, multiple_of=1):
         batch["labels"] = flat["labels"][::2]       # [B]
         return batch
     B = len(examples)
-    longest = max(len(e.ids) for e in examples)
-    L = -(-longest // multiple_of) * multiple_of    # rounded up
+    L = -(-max(len(e.ids) for e in examples) // multiple_of) * multiple_of  # longest, rounded up
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)  # [B, L]
     attention_mask = torch.zeros((B, L), dtype=torch.long)    # [B, L]
     token_type_ids = torch.zeros((B, L), dtype=torch.long)    # [B, L]
@@ -774,14 +670,14 @@ def collate(examples, pad_id, multiple_of=1):
 def flatten_pairs(batch):
     return {k: v.flatten(0, 1) if k != "labels" else v for k, v in batch.items()}
 
-# An epoch's batches as lists of example indices, a function of (seed, epoch) only (exact resume).
-# shuffle=False gives the examples in order, as evaluation wants them.
+# An epoch's batches as lists of example indices: the examples shuffled, sorted by length within
+# chunks of bucket_batches batches, cut into batches, the batches shuffled. shuffle=False gives the
+# examples in order, as evaluation wants them.
 def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches=50):
     order = list(range(len(lengths)))
     if shuffle:
         rng = np.random.default_rng([seed, epoch])
         order = [int(i) for i in rng.permutation(len(lengths))]
-        # similar lengths share a batch: sorted by length within chunks of bucket_batches batches
         chunk = batch_size * bucket_batches
         buckets = [sorted(order[s:s + chunk], key=lambda j: lengths[j])
                    for s in range(0, len(order), chunk)]
@@ -789,29 +685,23 @@ def batch_plan(lengths, batch_size, *, seed, epoch, shuffle=True, bucket_batches
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     if not shuffle:
         return batches
-    return [batches[int(i)] for i in rng.permutation(len(batches))]   # the batches shuffled
+    return [batches[int(i)] for i in rng.permutation(len(batches))]
 
-# Evaluation's order, longest first: little padding, and a batch too large for the device fails at
-# once. Safe: an output does not depend on the padding beside it, and metrics pair each prediction
-# with its own label.
+# Evaluation's order: little padding, and a batch too large for the device fails at once. Safe: an
+# output does not depend on the padding beside it.
 def longest_first(examples):
     return sorted(examples, key=lambda e: len(e.ids), reverse=True)
 
 # Every batch of batch_plan, padded: for dev sets and tests (the loop pads one batch at a time).
 def make_batches(examples, batch_size, *, pad_id, seed, epoch, shuffle=True, multiple_of=1,
                  bucket_batches=50):
-    lengths = [len(e.ids) for e in examples]
-    plan = batch_plan(lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
-                      bucket_batches=bucket_batches)
+    plan = batch_plan([len(e.ids) for e in examples], batch_size, seed=seed, epoch=epoch,
+                      shuffle=shuffle, bucket_batches=bucket_batches)
     return [collate([examples[i] for i in b], pad_id, multiple_of) for b in plan]
 
 # -----------------------------------------------------------------------------
-# 5. Metrics: GLUE's official metrics, by hand in numpy (methods.md §4)
-#
-# Matthews correlation for CoLA; Pearson and Spearman for STS-B (its main metric "corr" is their
-# mean); F1 of class 1 and accuracy for MRPC and QQP; accuracy for the rest. Each is its formula
+# 5. Metrics: GLUE's official metrics, by hand in numpy (methods.md §4), each its formula
 # (tests/test_data.py checks examples worked by hand); an undefined correlation is 0, as sklearn's.
-
 def accuracy(preds, labels):
     return float(np.mean(np.asarray(preds) == np.asarray(labels)))
 
@@ -857,8 +747,7 @@ def average_ranks(x):
     first = last - counts + 1                       # ... and its first
     return ((first + last) / 2.0)[inverse.reshape(-1)]
 
-# Spearman's rho: Pearson's r of the ranks.
-def spearman(x, y):
+def spearman(x, y):                                 # Spearman's rho: Pearson's r of the ranks
     return pearson(average_ranks(x), average_ranks(y))
 
 # A task's official metrics, its main one among them. preds: class ids or logits [N, K] (argmax
@@ -869,7 +758,7 @@ def compute_metrics(task_name, preds, labels):
         raise DataError(f"task {task_name!r} is scored by its own evaluation, not compute_metrics")
     preds = np.asarray(preds)
     labels = np.asarray(labels)
-    if entry.metric == "pearson":                   # STS-B
+    if entry.metric == "pearson":                   # STS-B: "corr" is the mean of the two
         pr = pearson(preds.reshape(-1), labels)
         sr = spearman(preds.reshape(-1), labels)
         return {"pearson": pr, "spearman": sr, "corr": (pr + sr) / 2}
@@ -882,15 +771,11 @@ def compute_metrics(task_name, preds, labels):
     return {"acc": accuracy(preds, labels)}
 
 # -----------------------------------------------------------------------------
-# 6. The ListOps generator (methods.md §4; LRA's lra_benchmarks/data/listops.py)
-#
-# An expression is a tree of operators over the digits 0-9: [MIN, [MAX, [MED (median) and [SM (sum
-# modulo 10), each closed by "]"; its label is its value. From the root, a node is an operator with
-# probability 0.25 (a leaf at the maximum depth), taking 2 to max_args arguments drawn before the
-# operator, as LRA draws them. The length counts what the model reads, 1 per value and 2 per
-# operator (it and its "]"); LRA's source also has parentheses, "( ( ( [MAX 2 ) 9 ) ] )", which the
-# tokenizer drops. Trees outside the length range and duplicates are discarded.
-
+# 6. The ListOps generator (methods.md §4; LRA's lra_benchmarks/data/listops.py). An expression is
+# a tree of operators over the digits 0-9: [MIN, [MAX, [MED (median) and [SM (sum modulo 10), each
+# closed by "]"; its label is its value. A node is an operator with probability 0.25 (a leaf at the
+# maximum depth) of 2 to max_args arguments. Its length counts what the model reads: 1 per value, 2
+# per operator (it and its "]"); LRA's parentheses, which the tokenizer drops, do not count.
 LISTOPS_OPS = ("[MIN", "[MAX", "[MED", "[SM")
 LISTOPS_VALUE_P = 0.25          # LRA: a node is an operator when random() <= 0.25, else a leaf
 
@@ -901,15 +786,13 @@ def _apply_op(op, values):
         return sum(values) % 10
     return min(values) if op == "[MIN" else max(values)
 
-# LRA's left-branching tuples as text: [MAX 2 9] -> "( ( ( [MAX 2 ) 9 ) ] )".
-def _render(op, args):
+def _render(op, args):                              # LRA's: [MAX 2 9] -> "( ( ( [MAX 2 ) 9 ) ] )"
     return "( " * (len(args) + 1) + op + "".join(" " + a + " )" for a in args) + " ] )"
 
 # One random expression as (source, length, value), or None once its length would pass `budget`:
 # that skips only the rest of a tree that would be discarded anyway (LRA's distribution, faster).
 def listops_tree(rng, depth, max_depth, max_args, budget=float("inf")):
-    draw = rng.random() if depth < max_depth else 1.0
-    if draw > LISTOPS_VALUE_P:                      # a leaf (always at max_depth)
+    if depth >= max_depth or rng.random() > LISTOPS_VALUE_P:      # a leaf
         v = rng.randrange(10)
         return str(v), 1, v
     args = []
@@ -958,8 +841,7 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
                   seed=0, max_depth=10, max_args=10, progress=False):
     rows = generate_listops(n_train + n_val + n_test, min_len, max_len, seed, max_depth, max_args,
                             progress)
-    splits = {"train": rows[:n_train],
-              "val": rows[n_train:n_train + n_val],
+    splits = {"train": rows[:n_train], "val": rows[n_train:n_train + n_val],
               "test": rows[n_train + n_val:]}
     os.makedirs(out_dir, exist_ok=True)
     paths = {split: os.path.join(out_dir, f"basic_{split}.tsv") for split in splits}
@@ -970,12 +852,9 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
     return paths
 
 # -----------------------------------------------------------------------------
-# 7. Plumbing: one-line errors, the lock on --out, the command line
-#
-# A bad flag, file or checkpoint ends a run with one line that names it, not a traceback. Readers
-# raise DataError("FILE:LINE: what is wrong"); every entry point runs inside one_line_errors, which
-# prints `error: MESSAGE` and exits 2. A `warning:` is printed once, not once per torchrun process.
-
+# 7. Plumbing: a bad flag, file or checkpoint ends a run with one line that names it, not a
+# traceback. Readers raise DataError("FILE:LINE: what is wrong"); every entry point runs inside
+# one_line_errors, which prints `error: MESSAGE` and exits 2.
 class DataError(ValueError):
     """A problem with the user's files or flags; the message names the file (FILE:LINE) or flag."""
 
@@ -983,18 +862,16 @@ def fail(msg, code=2):
     print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
 
-def warn(msg):
-    if not dist.is_initialized() or dist.get_rank() == 0:
+def warn(msg):                                      # once, not once per torchrun process
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         tqdm.write(f"warning: {msg}", file=sys.stderr)
 
-# argparse's own errors (an unknown flag, a bad value) are one line too.
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):
+    def error(self, message):                       # an unknown flag, a bad value: one line too
         fail(f"{message} (see {self.prog} --help)")
 
-# What user input can raise becomes one `error:` line: a DataError or a checkpoint error (both
-# ValueErrors), bad JSON, a missing file (OSError: its name and reason), a config lacking a field
-# (KeyError), a damaged safetensors file. Ctrl-C exits 130.
+# What user input can raise becomes one `error:` line: a DataError, bad JSON, a missing file (its
+# name and reason), a config lacking a field, a damaged safetensors file. Ctrl-C exits 130.
 @contextmanager
 def one_line_errors(interrupted="interrupted"):
     try:
@@ -1010,13 +887,10 @@ def one_line_errors(interrupted="interrupted"):
         text = str(e).strip()
         fail(text.splitlines()[0] if text else type(e).__name__)
 
-# One run writes a --out folder at a time. A second run there (another terminal, or --resume or
-# --overwrite while the first still runs) would mix two runs' checkpoints and logs, so train.py
-# takes this lock before it removes or writes anything in --out and keeps the file open for the
-# run's life. flock is the kernel's lock and dies with its process: a run killed by SIGKILL leaves
-# only the file OUT/.lock, whose line is the pid of the last holder. Runs in one process follow one
-# another (tests call train.main many times; an old run's handle may live on in a traceback), so a
-# new lock first lets go of this process's earlier one on the same folder.
+# One run at a time writes a --out folder: train.py takes this lock before it touches --out and
+# holds it for the run's life. flock dies with its process (SIGKILL leaves OUT/.lock, naming the
+# last holder's pid). Runs in one process follow one another (tests call train.main many times; an
+# old run's handle may live on in a traceback), so a new lock first lets go of the earlier one.
 _LOCKS = weakref.WeakValueDictionary()              # OUT/.lock -> this process's open file
 
 def lock_out(folder):
@@ -1056,8 +930,7 @@ def main(argv=None):
         parser.error("--train, --val and --test are all 0: nothing to generate")
     with one_line_errors():
         paths = write_listops(args.out_dir, args.train, args.val, args.test, args.min_len,
-                              args.max_len, args.seed, args.max_depth, args.max_args,
-                              progress=True)
+                              args.max_len, args.seed, args.max_depth, args.max_args, progress=True)
         print(" ".join(paths.values()))
 
 if __name__ == "__main__":
