@@ -1,16 +1,18 @@
-"""train.py: the one training loop (fine-tuning a checkpoint, or training from scratch), for the CPU and the GPU.
+"""train.py: the training loop of attnreg, nanoGPT's train.py for encoders, on the CPU or the GPU.
 
-What it is: nanoGPT's train.py for encoders: AdamW, warmup then linear decay, clipping, gradient accumulation,
-bf16 autocast on CUDA, each task's official dev metric, atomic checkpoints, exact resume, torchrun. The ideas,
-each a flag (and a model.Config field): --attention sparse|hst (ERNIE-Sparse, sparse.py), --sar / --rdrop
-(Self-Attention Regularization and its control R-Drop, sar.py), --attn-dropout attendout (AttendOut, attendout.py).
+What: fine-tune a converted checkpoint (--init) or train a small model from scratch on a task of
+data.TASKS, with AdamW, warmup and linear decay, clipping, bf16 on CUDA, atomic checkpoints, exact
+resume and torchrun. The course's methods are flags: --attention sparse|hst, --sar / --rdrop,
+--attn-dropout attendout (docs/methods.md §2, §3).
 
-How to run it:
-  python train.py                                   # the demo: generated ListOps, HST + SAR + AttendOut
-  python train.py --max-steps 100                   # the same demo, 100 steps (every default is the demo's)
-  python train.py --init roberta.pt --task sst2 --data glue/SST-2      # fine-tune a converted checkpoint
-  torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
-  python train.py --resume --out out/demo           # continue a stopped or killed run
+Run:  python train.py                      # the demo (DEMO): ListOps, HST + SAR + AttendOut
+      python train.py --max-steps 100      # the same demo, 100 steps long
+      python train.py --init roberta.pt --task sst2 --data glue/SST-2      # fine-tune a checkpoint
+      torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
+      python train.py --resume --out out/demo                              # continue a stopped run
+
+It reads top to bottom: the flags, main and setup, the loop, the step and its loss, evaluation
+and final.json, the optimizer, then plumbing (processes, RNG states, checkpoints, Ctrl-C).
 """
 import argparse
 import json
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections import namedtuple
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -31,307 +34,785 @@ import attendout
 import data
 import sar
 from data import ArgumentParser, fail, one_line_errors, warn
-from model import CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict, read_checkpoint, \
-    save_atomic
+from model import (CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict,
+                   read_checkpoint, save_atomic)
 
-# --- 1. Flags. Every default is the demo's: `python train.py --max-steps 100` is the demo, 100 steps long.
-#    With --init CKPT, FINETUNE's defaults apply instead and the model keeps the checkpoint's own Config.
+# -----------------------------------------------------------------------------------------------
+# 1. Flags
+#
+# The demo's settings, the parser's defaults, in one place. model.Config's defaults are a plain
+# pretrained RoBERTa's (dense attention, blocks of 64, standard attention dropout) and SAR is off;
+# the demo switches the three methods on for a small model trained from scratch on generated
+# ListOps, so that `python train.py --max-steps 100` shows each at work in a minute on a CPU.
+DEMO = {"task": "listops", "init": "scratch",
+        "layers": 2, "hidden": 128, "heads": 4, "ffn": 256,   # from scratch: 0.4M parameters
+        "lr": 1e-3, "epochs": 10, "eval_every": 200,           # peak lr; evaluate every 200 steps
+        "attention": "hst", "block_size": 8,                   # Config: dense, blocks of 64
+        "attn_dropout": "attendout",                           # Config: standard
+        "sar": 1.0}                                            # SAR's alpha (0: off)
 
-def make_parser():
-    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+# The flags that are model.Config fields, copied onto the Config when given (None: Config's
+# default, with --init the checkpoint's). With --init, FINETUNE replaces the demo's defaults of
+# the flags not given: the usual GLUE recipe, no SAR, and the checkpoint's own Config.
+CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions",
+                "attn_dropout", "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_shape",
+                "gnet_lr", "schedule", "layerdrop", "attn_layerdrop")
+FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **dict.fromkeys(CONFIG_FLAGS)}
+# What fixes the model, the data stream and the schedule: a resumed run may not change these.
+RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col",
+                "vocab_size", "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps",
+                "warmup", "init", "layers", "hidden", "heads", "ffn", *CONFIG_FLAGS)
+# Numbers that must be >= 1 (every other number: >= 0), and a method's own flags (by name).
+POSITIVE = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads",
+            "ffn", "block_size", "max_positions")
+ONLY_WITH = {"gnet_": "attendout", "schedule": "scheduled"}
+
+def flag(name):                                          # block_size -> --block-size
+    return "--" + name.replace("_", "-")
+
+# The parser, each default DEMO's where it has one. defaults=False suppresses every default, so
+# that parsing with it tells which flags were given (parse_args).
+def make_parser(defaults=True):
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = ap.add_argument
-    add("--task", default="listops", choices=list(data.TASKS), metavar="TASK", help=", ".join(data.TASKS))
-    add("--data", help="the task's folder or file (listops: generated into data/listops-demo if omitted)")
+    # the task and its data
+    add("--task", choices=list(data.TASKS), metavar="TASK", help=", ".join(data.TASKS))
+    add("--data", help="the task's folder or file (listops: generated if omitted)")
     add("--train-file", help="the training file inside --data, if not the task's usual name")
     add("--dev-file", help="the dev file inside --data, if not the task's usual name")
     add("--text-col", help="--task tsv: the text column (name or 0-based index)")
     add("--text-pair-col", help="--task tsv: an optional second text column")
     add("--label-col", help="--task tsv: the label column")
     add("--max-len", type=int, help="tokens per example (default: the task's, at most the model's)")
-    add("--vocab-size", type=int, default=8000, help="from scratch on text: the SentencePiece vocabulary")
-    add("--init", default="scratch", help="an HF folder, a .pt (python model.py convert), or 'scratch'")
-    add("--layers", type=int, default=2, help="from scratch: layers")
-    add("--hidden", type=int, default=128, help="from scratch: hidden size d")
-    add("--heads", type=int, default=4, help="from scratch: attention heads H")
-    add("--ffn", type=int, default=256, help="from scratch: feed-forward size")
-    add("--epochs", type=float, default=10, help="passes over the training set (with --init: 3)")
+    add("--vocab-size", type=int, default=8000, help="from scratch on text: SentencePiece's size")
+    # the model: a checkpoint, or a new one of this size
+    add("--init", help="an HF folder, a .pt (python model.py convert), or 'scratch'")
+    add("--layers", type=int, help="from scratch: layers")
+    add("--hidden", type=int, help="from scratch: hidden size d")
+    add("--heads", type=int, help="from scratch: attention heads H")
+    add("--ffn", type=int, help="from scratch: feed-forward size")
+    # the schedule and the optimizer
+    add("--epochs", type=float, help="passes over the training set (with --init: 3)")
     add("--max-steps", type=int, default=0, help="optimizer steps (0: from --epochs)")
-    add("--batch-size", type=int, default=32, help="examples per optimizer step, all processes together")
+    add("--batch-size", type=int, default=32, help="examples per step, all processes together")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    add("--lr", type=float, default=1e-3, help="peak learning rate (with --init: 2e-5)")
-    add("--warmup", type=float, default=0.06, help="warmup: a fraction of the steps (< 1) or a step count")
-    add("--weight-decay", type=float, default=0.01, help="AdamW's decay of weight matrices and embeddings")
-    add("--clip", type=float, default=1.0, help="gradient-norm clip, backbone and G-Nets apart (0: off)")
-    add("--seed", type=int, default=0, help="data order, initial weights, dropout: the same for every method")
-    add("--out", default="out/demo", help="run folder: log.jsonl, final.json, ckpt_best.pt, ckpt_last.pt")
-    add("--eval-every", type=int, default=200, help="evaluate every N steps (0: each epoch's end; with --init: 0)")
-    add("--save-every", type=int, default=500, help="write ckpt_last.pt every N steps (and at the end)")
+    add("--lr", type=float, help="peak learning rate (with --init: 2e-5)")
+    add("--warmup", type=float, default=0.06, help="warmup: a fraction of the steps, or a count")
+    add("--weight-decay", type=float, default=0.01, help="AdamW's decay of matrices, embeddings")
+    add("--clip", type=float, default=1.0, help="the backbone's gradient-norm clip (0: off)")
+    add("--seed", type=int, default=0, help="data order, initial weights, dropout")
+    # the run folder, evaluation and logging
+    add("--out", default="out/demo", help="run folder: log.jsonl, final.json, checkpoints")
+    add("--eval-every", type=int, help="evaluate every N steps (0: each epoch's end)")
+    add("--save-every", type=int, default=500, help="write ckpt_last.pt every N steps, at the end")
     add("--log-every", type=int, default=10, help="a log line every N steps")
-    add("--eval-shift", type=shift_arg, default=0, help="also score the topology shifted by N tokens, or 'all'")
+    add("--eval-shift", type=shift_arg, default=0, help="also score shifted by N tokens, or 'all'")
     add("--resume", action="store_true", help="continue the run in --out from its ckpt_last.pt")
     add("--overwrite", action="store_true", help="replace a run already in --out")
+    # the machine
     add("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     add("--compile", action="store_true", help="torch.compile the model")
-    add("--threads", type=int, default=0, help="CPU threads (0: 1 for a model under 20M parameters, else all)")
-    # model.Config fields (methods.md §2, §3); None: Config's default (or, with --init, the checkpoint's)
-    add("--attention", choices=["dense", "sparse", "hst"], default="hst", help="the topology (sparse.py)")
-    add("--block-size", type=int, default=8, help="b, tokens per block")
+    add("--threads", type=int, default=0, help="CPU threads (0: 1 for a model under 20M, else all)")
+    # model.Config fields (CONFIG_FLAGS)
+    add("--attention", choices=["dense", "sparse", "hst"], help="the topology (sparse.py)")
+    add("--block-size", type=int, help="b, tokens per block (Config: 64)")
     add("--window", type=int, help="w, neighbour blocks on each side (Config: 1)")
     add("--num-global", type=int, help="g, global tokens at the start (Config: 1)")
     add("--num-random", type=int, help="r, random key blocks per query block (Config: 0)")
-    add("--max-positions", type=int, help="position-table rows; more than the checkpoint's copies the table")
-    add("--attn-dropout", choices=list(attendout.METHODS), default="attendout", help="attendout.METHODS")
-    add("--attn-dropout-p", type=float, help="the standard attention-dropout rate (Config: 0.1)")
-    add("--hidden-dropout-p", type=float, help="dropout on embeddings and residual branches (Config: 0.1)")
+    add("--max-positions", type=int, help="position-table rows (more than the checkpoint's)")
+    add("--attn-dropout", choices=list(attendout.METHODS), help="attendout.METHODS")
+    add("--attn-dropout-p", type=float, help="standard attention dropout's rate (Config: 0.1)")
+    add("--hidden-dropout-p", type=float, help="embedding and residual dropout (Config: 0.1)")
     add("--gnet-tau", type=float, help="AttendOut: the keep reward's weight is tau^2 (Config: 0.5)")
-    add("--gnet-shape", choices=["shared", "per-head"], help="AttendOut: one G-Net mask for all heads, or one each")
-    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: None, --lr's)")
+    add("--gnet-shape", choices=["shared", "per-head"], help="AttendOut: one mask, or one a head")
+    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: None: --lr)")
     add("--schedule", help="--attn-dropout scheduled: a droprates.jsonl or linear:P_LOW:P_HIGH")
     add("--layerdrop", type=float, help="LayerDrop: skip a whole layer with this probability")
     add("--attn-layerdrop", type=float, help="Attn.LayerDrop: skip only the attention sub-layer")
-    add("--sar", type=float, default=1.0, help="SAR's weight alpha (0: off; with --init: 0)")
-    add("--sar-shift", type=int, default=1, help="SAR: padding tokens inserted after the first token")
+    # the losses of sar.py (methods.md §2.3)
+    add("--sar", type=float, help="SAR's weight alpha (0: off; with --init: 0)")
+    add("--sar-shift", type=int, default=1, help="SAR: padding tokens inserted after the first")
     add("--rdrop", type=float, default=0.0, help="R-Drop's weight alpha (0: off)")
+    if defaults:
+        ap.set_defaults(**DEMO)
+    else:
+        for action in ap._actions:
+            action.default = argparse.SUPPRESS
     return ap
 
-CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions", "attn_dropout",
-                "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_shape", "gnet_lr", "schedule", "layerdrop",
-                "attn_layerdrop")                                # the flags that are model.Config fields
-FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **{f: None for f in CONFIG_FLAGS}}
-RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col", "vocab_size",
-                "max_len", "batch_size", "grad_accum", "seed", "epochs", "max_steps", "warmup", "init", "layers",
-                "hidden", "heads", "ffn", *CONFIG_FLAGS)  # what fixes the model, the data stream, the schedule
-POSITIVE = ("batch_size", "grad_accum", "log_every", "vocab_size", "layers", "hidden", "heads", "ffn", "block_size",
-            "max_positions")                             # must be >= 1; every other number must be >= 0
-ONLY_WITH = {"gnet_": "attendout", "schedule": "scheduled"}     # method flags, useless without their method
+def shift_arg(text):                                     # --eval-shift: N tokens, or 'all'
+    if text != "all" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text}: give 'all' or a number of tokens >= 0")
+    return text if text == "all" else int(text)
 
-def shift_arg(s):                                        # --eval-shift: a number of tokens, or 'all' (1 .. b-1)
-    if s != "all" and not s.isdigit():
-        raise argparse.ArgumentTypeError(f"{s}: give 'all' or a number of tokens >= 0")
-    return s if s == "all" else int(s)
-
+# The flags in force: the demo's defaults, with --init FINETUNE's for the flags not given.
+# args.given names the flags given (a resumed run takes the others from its checkpoint).
 def parse_args(argv):
-    args = make_parser().parse_args(argv)                # the demo's defaults (FINETUNE's with --init)
-    quiet = make_parser()                                # the same flags without defaults: which were given
-    for a in quiet._actions:
-        a.default = argparse.SUPPRESS
-    args.given = sorted(vars(quiet.parse_args(argv)))
-    for k, v in FINETUNE.items() if args.init != "scratch" else ():
-        if k not in args.given:                          # with --init: the fine-tuning defaults
-            setattr(args, k, v)
+    args = make_parser().parse_args(argv)
+    args.given = sorted(vars(make_parser(defaults=False).parse_args(argv)))
+    if args.init != "scratch":
+        for name, value in FINETUNE.items():
+            if name not in args.given:
+                setattr(args, name, value)
     return args
 
-def check_args(args):                                    # before anything is read or written: one line each
-    for name, v in vars(args).items():                   # every number >= 0 (>= 1 for the POSITIVE); NaN fails
-        if type(v) in (int, float) and not (math.isfinite(v) and v >= (name in POSITIVE)):
-            fail(f"--{name.replace('_', '-')} {v}: must be >= {int(name in POSITIVE)}")
-    for f in ("data", "train_file", "dev_file"):
-        if getattr(args, f) and not os.path.exists(getattr(args, f)):
-            fail(f"--{f.replace('_', '-')} {getattr(args, f)}: no such file or folder")
-    for wrong, what in [(args.max_steps == 0 and not args.epochs > 0, f"--epochs {args.epochs}: must be > 0"),
-                        (args.max_len is not None and args.max_len < 8, f"--max-len {args.max_len}: must be >= 8"),
-                        (args.sar > 0 and args.rdrop > 0, "--sar and --rdrop are alternatives; give one"),
-                        (args.sar_shift < 1, f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token"),
-                        (args.schedule and not args.schedule.startswith("linear:") and not os.path.isfile(
-                            args.schedule), f"--schedule {args.schedule}: no such file (or linear:P_LOW:P_HIGH)")]:
-        if wrong:
-            fail(what)
+# Before anything is read or written, a value that means nothing is one `error:` line.
+def check_args(args):
+    for name, value in vars(args).items():               # NaN and infinity fail too
+        least = 1 if name in POSITIVE else 0
+        if type(value) in (int, float) and not (math.isfinite(value) and value >= least):
+            fail(f"{flag(name)} {value}: must be >= {least}")
+    for name in ("data", "train_file", "dev_file"):
+        if getattr(args, name) and not os.path.exists(getattr(args, name)):
+            fail(f"{flag(name)} {getattr(args, name)}: no such file or folder")
+    if args.max_steps == 0 and not args.epochs > 0:
+        fail(f"--epochs {args.epochs}: must be > 0")
+    if args.max_len is not None and args.max_len < 8:
+        fail(f"--max-len {args.max_len}: must be >= 8")
+    if args.sar > 0 and args.rdrop > 0:
+        fail("--sar and --rdrop are alternatives; give one")
+    if args.sar_shift < 1:
+        fail(f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token")
+    s = args.schedule
+    if s and not s.startswith("linear:") and not os.path.isfile(s):
+        fail(f"--schedule {s}: no such file (or linear:P_LOW:P_HIGH)")
 
-# --- 2. Data, tokenizer and model.
+# -----------------------------------------------------------------------------------------------
+# 2. The run: main() and setup()
+#
+# main checks the flags, builds the run (setup), trains (train) and writes final.json (report).
+# A user error ends in one `error:` line (exit 2); Ctrl-C or SIGTERM finishes the step, saves
+# ckpt_last.pt and exits 130 / 143. Run holds what setup builds: args, rank, world, device,
+# paths, tok, task, loss_fn and evaluate (the task's objective), raw (the Model) and model (what
+# runs its forward: compiled, under DDP), optimizer, total and warmup (in steps), and state, the
+# loop's state that ckpt_last.pt saves.
 
-def columns(args):                                       # where a task's files and columns are, by flag
-    return {k: getattr(args, k) for k in ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")}
+def main(argv=None):
+    with one_line_errors("interrupted; the last checkpoint, if any, is --out's ckpt_last.pt"):
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        check_args(args)
+        try:
+            r = setup(args)
+            train(r)
+            if r.state["step"] == r.total and is_main():
+                report(r)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if r.stopped_by:
+        sys.exit(128 + r.stopped_by)
 
-def task_data_dir(args):                                 # --data, or for ListOps the demo's set, made once
-    if args.data is not None or args.task != "listops":
-        return args.data or fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
-    folder = os.path.join("data", "listops-demo")        # 6,000 / 500 / 500 expressions, 10-60 tokens
-    if is_main() and not os.path.exists(os.path.join(folder, "basic_val.tsv")):
+class Run:
+    stopped_by = None                                    # the signal that stopped it, if one did
+    FILES = ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "final.json", "ckpt_best.pt")
+
+# setup builds the run in the order each part needs the one before, and takes --out last, so a
+# run that fails to start leaves the run in --out as it was.
+def setup(args):
+    r = Run()
+    r.args = args
+    r.rank, r.world, r.device = setup_distributed(args)
+    r.paths = {name: os.path.join(args.out, name) for name in Run.FILES}
+    taken = any(os.path.exists(path) for path in r.paths.values())
+    if os.path.isfile(args.out) or (taken and not (args.resume or args.overwrite)):
+        fail(f"--out {args.out} holds another run (or is a file); pass --resume to continue it "
+             "or --overwrite")
+    start = read_start(args)                             # None: from scratch
+    torch.manual_seed(args.seed)                         # the same initial weights for each method
+
+    # The data: the tokenizer, then the examples, cut to --max-len tokens (by default the task's
+    # length, at most what the model's position table holds; from scratch the table fits it).
+    folder = task_data_dir(args)
+    r.tok = load_tokenizer(args, folder, start.tokenizer_files if start else None)
+    limit = math.inf
+    if start is not None:
+        rows = args.max_positions or start.cfg.max_positions
+        limit = apply_overrides(start.cfg, {"max_positions": rows}).max_len
+    if args.max_len and args.max_len > limit:
+        warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; "
+             "--max-positions grows it)")
+    args.max_len = min(args.max_len or data.TASKS[args.task].max_len, limit)
+    r.task = reader(args.task).load_task(args.task, folder, r.tok, max_len=args.max_len,
+                                         **columns(args))
+    r.loss_fn, r.evaluate = objective(args.task)         # section 5
+
+    # The model on its device: one CPU thread for a small model (its operations are too small to
+    # split), the MLM head frozen beside a task head (unused there), torch.compile, and DDP,
+    # which must look for unused parameters when LayerDrop skips layers.
+    r.raw = make_model(args, r.tok, r.task, start)
+    check_run(args, r.task, r.raw.cfg)
+    if args.threads or r.device.type == "cpu":
+        every_core = len(os.sched_getaffinity(0))
+        torch.set_num_threads(args.threads or (1 if r.raw.num_params() < 20e6 else every_core))
+    r.raw.to(r.device)
+    r.raw.mlm.requires_grad_(r.task.num_labels == 0)
+    r.model = torch.compile(r.raw) if args.compile else r.raw
+    if r.world > 1:
+        skips = r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0
+        r.model = torch.nn.parallel.DistributedDataParallel(r.model, find_unused_parameters=skips)
+    r.model.train()
+    torch.manual_seed(args.seed + r.rank)                # nanoGPT: each process its own dropout
+
+    # The schedule in optimizer steps (full steps per epoch from the batch plan; the total,
+    # --max-steps or --epochs of them; the warmup, a fraction of the total or a count), AdamW
+    # (section 7) and the loop's state (micro: the epoch's batches used so far).
+    per_process = args.batch_size // args.grad_accum
+    if per_process < r.world or args.batch_size % (args.grad_accum * r.world):
+        fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
+             f"({args.grad_accum} x {r.world})")
+    r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum
+    if r.per_epoch == 0:
+        fail(f"{len(r.task.train)} training examples make no full step of --batch-size "
+             f"{args.batch_size}")
+    r.total = args.max_steps or max(1, int(args.epochs * r.per_epoch))
+    r.warmup = int(args.warmup * r.total) if args.warmup < 1 else int(args.warmup)
+    r.optimizer = make_optimizer(r.raw, args, r.device)
+    r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0,
+               "dev": {}, "saved_step": None}        # saved_step: the step in ckpt_last.pt
+
+    # --out, once all that worked: one run at a time (data.lock_out: OUT/.lock, held for the run's
+    # life), then the old run's files go (not on --resume), and a killed save's temporary file.
+    os.makedirs(args.out, exist_ok=True)
+    r.lock = data.lock_out(args.out) if is_main() else None
+    for path in r.paths.values():
+        if is_main() and not args.resume and os.path.exists(path):
+            os.remove(path)
+    for name in os.listdir(args.out):
+        if is_main() and name.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+            os.remove(os.path.join(args.out, name))
+    if args.resume:
+        restore(r, start.checkpoint)
+    if is_main():
+        print(opening_line(r), flush=True)
+    return r
+
+def columns(args):                                       # where a task's files and columns are
+    names = ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")
+    return {name: getattr(args, name) for name in names}
+
+# --data, or for ListOps without it the demo's set, made once in data/listops-demo: 6,000 / 500 /
+# 500 generated expressions of 10-60 tokens.
+def task_data_dir(args):
+    if args.data is None and args.task != "listops":
+        fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
+    folder = args.data or os.path.join("data", "listops-demo")
+    if args.data is None and is_main() and not os.path.exists(f"{folder}/basic_val.tsv"):
         print(f"generating a small ListOps set in {folder}", flush=True)
-        data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3, max_args=4)
+        data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3,
+                           max_args=4)
     barrier()
     return folder
 
 # The module that reads a task's files: data.py for GLUE, --task tsv and ListOps; for LRA's other
-# four tasks, SQuAD and masked LM, a module of readers/, imported here on first use (data.py imports
-# no other module of the project). Each has load_task and training_texts; readers/qa.py and
-# readers/mlm.py also the loss and evaluate of their objective (section 3).
+# four tasks, SQuAD and masked LM a module of readers/, imported on first use (data.py imports no
+# module of the project), which also has the loss and evaluation of its objective (objective()).
 def reader(task_name):
     if data.TASKS[task_name].load is not None:
         return data
     from readers import lra, mlm, qa
     return {"squad": qa, "mlm": mlm}.get(task_name, lra)
 
+# The tokenizer: the checkpoint's, the task's own (ListOps' symbols, LRA's bytes), or SentencePiece
+# trained on the training texts and cached beside the data (read-only data: data/spm-cache/).
+# Under torchrun rank 0 trains it, then the others read its cache.
 def load_tokenizer(args, data_dir, stored_files):
-    """The checkpoint's own, the task's fixed one (ListOps symbols, LRA bytes), or SentencePiece trained here."""
     if stored_files:
         return data.tokenizer_from_files(data.tensors_to_files(stored_files))
-    if (fixed := data.fixed_tokenizer(args.task)) is not None:     # built once
+    fixed = data.fixed_tokenizer(args.task)
+    if fixed is not None:
         return fixed
     folder = data_dir if os.path.isdir(data_dir) else os.path.dirname(os.path.abspath(data_dir))
-    if not os.access(folder, os.W_OK):                   # read-only data: the cache goes under data/spm-cache/
-        folder = os.path.join("data", "spm-cache", os.path.abspath(folder).strip(os.sep).replace(os.sep, "_"))
+    if not os.access(folder, os.W_OK):
+        name = os.path.abspath(folder).strip(os.sep).replace(os.sep, "_")
+        folder = os.path.join("data", "spm-cache", name)
     if not is_main():
-        barrier()                                        # rank 0 trains it first; the others then read its cache
+        barrier()                                        # wait for rank 0's model
     os.makedirs(folder, exist_ok=True)
     texts = reader(args.task).training_texts(args.task, data_dir, **columns(args))
-    tok = data.train_sentencepiece(texts, os.path.join(folder, f"spm{args.vocab_size}"), args.vocab_size)
+    tok = data.train_sentencepiece(texts, f"{folder}/spm{args.vocab_size}", args.vocab_size)
     if is_main():
-        barrier()
+        barrier()                                        # rank 0's model is written
     return tok
 
+# What a run starts from: --resume's OUT/ckpt_last.pt, --init's checkpoint, or None (scratch).
+# A resumed run takes its own flags for those not given now; RESUME_FIXED's may not change.
+Start = namedtuple("Start", ["cfg", "weights", "tokenizer_files", "checkpoint"])
+
 def read_start(args):
-    """(Config, weights, tokenizer files, the whole dict) to start from: --resume's OUT/ckpt_last.pt (its flags fill
-    in every flag not given now; RESUME_FIXED's may not change), --init's checkpoint, or None (from scratch)."""
-    path, flag = (os.path.join(args.out, "ckpt_last.pt"), "--resume") if args.resume else (args.init, "--init")
+    path = os.path.join(args.out, "ckpt_last.pt") if args.resume else args.init
+    source = "--resume" if args.resume else "--init"
     if path == "scratch":
         return None
     if not os.path.exists(path):
         fail(f"--resume: {path} does not exist" if args.resume else
              f"--init {path}: neither a model folder nor a checkpoint file (nor 'scratch')")
     try:
-        cfg, state, tok_files, ckpt = read_checkpoint(path)
+        start = Start(*read_checkpoint(path))
     except CheckpointError as e:
-        fail(f"{flag}: {e}")
-    if not tok_files:                                    # a pretrained model reads text through its own tokenizer
-        fail(f"{flag} {path}: no tokenizer files in it (convert it again with python model.py convert)")
-    if args.resume and not all(k in ckpt for k in ("args", "train_state", "optimizer", "rng")):
-        fail(f"--resume: {path} is not a training checkpoint (a converted or exported model? use it with --init)")
-    for k in RESUME_FIXED if args.resume else ():
-        if k in args.given and getattr(args, k) != ckpt["args"].get(k):
-            fail(f"--resume: --{k.replace('_', '-')} {getattr(args, k)} differs from the run's {ckpt['args'].get(k)}"
-                 "; a resumed run keeps its model, data and schedule (start a new --out to change them)")
-    for k, v in ckpt["args"].items() if args.resume else ():
-        if k not in args.given and k not in ("resume", "device"):
-            setattr(args, k, v)                          # the run's own flags
-    return cfg, state, tok_files, ckpt
+        fail(f"{source}: {e}")
+    if not start.tokenizer_files:                        # a pretrained model needs its tokenizer
+        fail(f"{source} {path}: no tokenizer files in it (convert it again with "
+             "python model.py convert)")
+    if not args.resume:
+        return start
+    if not all(k in start.checkpoint for k in ("args", "train_state", "optimizer", "rng")):
+        fail(f"--resume: {path} is not a training checkpoint (a converted or exported model? "
+             "use it with --init)")
+    saved = start.checkpoint["args"]
+    for name in RESUME_FIXED:
+        if name in args.given and getattr(args, name) != saved.get(name):
+            fail(f"--resume: {flag(name)} {getattr(args, name)} differs from the run's "
+                 f"{saved.get(name)}; a resumed run keeps its model, data and schedule (start a "
+                 "new --out to change them)")
+    for name, value in saved.items():                    # a flag that no longer exists is left out
+        if name in vars(args) and name not in args.given and name not in ("resume", "device"):
+            setattr(args, name, value)
+    return start
 
-def make_model(args, tok, task, start):                  # the checkpoint's Config and the flags given, or scratch
-    overrides = {f: getattr(args, f) for f in CONFIG_FLAGS if getattr(args, f) is not None}
-    overrides.update(num_labels=task.num_labels, head=task.head)  # the task fixes the head
+# The model: the checkpoint's Config with the flags given, or from scratch --layers x --hidden
+# with BERT-style positions 0 .. L-1, the table sized to --max-len (+ SAR's shift + 1). The task
+# fixes the head: its kind and class count.
+def make_model(args, tok, task, start):
+    overrides = {name: getattr(args, name) for name in CONFIG_FLAGS}
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    overrides.update(num_labels=task.num_labels, head=task.head)
     if start is not None:
-        return build_model(apply_overrides(start[0], overrides), start[1], args.init)
-    cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                 intermediate_size=args.ffn, max_positions=args.max_len + args.sar_shift + 1, type_vocab_size=2,
-                 pad_id=tok.pad_id, layer_norm_eps=1e-12, position_style="bert")   # BERT-style positions 0..L-1
+        return build_model(apply_overrides(start.cfg, overrides), start.weights, args.init)
+    cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
+                 num_heads=args.heads, intermediate_size=args.ffn,
+                 max_positions=args.max_len + args.sar_shift + 1, type_vocab_size=2,
+                 pad_id=tok.pad_id, layer_norm_eps=1e-12, position_style="bert")
     return Model(apply_overrides(cfg, overrides))
 
-def check_run(args, task, cfg, data_dir):
-    """What fails (one `error:` line) or does nothing (one `warning:` line) once data and model are known."""
-    sparse, b = cfg.attention != "dense", cfg.block_size
+# Once data and model are known: what cannot run is an `error:`, what does nothing a `warning:`.
+def check_run(args, task, cfg):
+    sparse = cfg.attention != "dense"
+    b = cfg.block_size
     if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
         fail("--sar / --rdrop need a classification or regression task, not mlm")
-    if cfg.attn_dropout == "attendout" and data.TASKS[args.task].objective != "classify":
-        fail(f"--attn-dropout attendout needs a classification or regression task, not {args.task}: its masked "
-             "pass is compared with the clean pass's predictions (methods.md §3.1)")
+    if cfg.attn_dropout == "attendout" and data.TASKS[args.task].objective in ("mlm", "span"):
+        fail(f"--attn-dropout attendout needs a classification or regression task, not "
+             f"{args.task}: its masked pass is compared with the clean pass's predictions "
+             "(methods.md §3.1)")
     if sparse and args.eval_shift != "all" and args.eval_shift >= b:
-        fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} (--block-size {b})")
-    useless = [f for f in args.given for k, m in ONLY_WITH.items() if f.startswith(k) and cfg.attn_dropout != m]
-    useless += [f for f in args.given if f.endswith("_col") and args.task != "tsv"]     # --task tsv's columns
-    for happens, line in [(task.skipped, task.skipped and data.skipped_warning(task.skipped)),
-            (task.n_truncated, f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
-                               + ("split into chunks" if task.num_labels == 0 else "truncated")),
-            (args.sar > 0 and not sparse, "--sar with dense attention has no effect: no block boundary moves"),
-            (args.eval_shift and not sparse, "--eval-shift with dense attention: shifting moves no block boundary"),
-            (sparse and b > max(len(e.ids) for e in task.train), f"--block-size {b} is larger than the longest "
-                                                                 "sequence: sparse attention is dense here"),
-            (useless, f"--{', --'.join(useless).replace('_', '-')}: no effect with this method or task")]:
-        if happens:
-            warn(line)
+        fail(f"--eval-shift {args.eval_shift}: give 'all' or a shift in 0 .. {b - 1} "
+             f"(--block-size {b})")
+    if task.skipped:
+        warn(data.skipped_warning(task.skipped))
+    if task.n_truncated:
+        done = "split into chunks" if task.num_labels == 0 else "truncated"
+        warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
+             f"{done}")
+    if args.sar > 0 and not sparse:
+        warn("--sar with dense attention has no effect: no block boundary moves")
+    if args.eval_shift and not sparse:
+        warn("--eval-shift with dense attention: shifting moves no block boundary")
+    if sparse and b > max(len(e.ids) for e in task.train):
+        warn(f"--block-size {b} is larger than the longest sequence: sparse attention is dense "
+             "here")
+    useless = []
+    for start, method in ONLY_WITH.items():              # a method's flags without the method
+        useless += [n for n in args.given if n.startswith(start) and cfg.attn_dropout != method]
+    useless += [n for n in args.given if n.endswith("_col") and args.task != "tsv"]
+    if useless:
+        warn(f"{', '.join(map(flag, useless))}: no effect with this method or task")
 
-# --- 3. Losses and evaluation, by the task's objective (data.TASKS); extractive QA's live in readers/qa.py.
+# The run's first line: task and data | model | methods | steps, device, threads.
+def opening_line(r):
+    args = r.args
+    cfg = r.raw.cfg
+    dev = " + ".join(f"{len(examples)} {split}" for split, examples in r.task.dev.items())
+    origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
+    methods = [f"{cfg.attention} attention",
+               attendout.METHODS[cfg.attn_dropout].format(p=cfg.attn_dropout_p, cfg=cfg)]
+    if args.sar > 0:
+        methods.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
+    elif args.rdrop > 0:
+        methods.append(f"R-Drop alpha {args.rdrop:g}")
+    where = f"{r.total} steps on {r.device}"
+    where += f" x {r.world} processes" if r.world > 1 else ""
+    if r.device.type == "cpu":
+        where += f", {torch.get_num_threads()} CPU thread(s) (--threads)"
+    where += f"; resuming at step {r.state['step']}" if args.resume else ""
+    return (f"task {args.task}: {len(r.task.train)} train / {dev or 'no dev'} examples | model "
+            f"{r.raw.num_params() / 1e6:.2f}M parameters ({cfg.num_layers} layers, hidden "
+            f"{cfg.hidden_size}, {origin}) | {', '.join(methods)} | {where}")
 
-def task_loss(logits, labels, regression=False):
-    """Cross-entropy, or MSE for a 1-output regression head (methods.md §1)."""
-    if regression:
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float())         # logits: [B, 1]
-    return F.cross_entropy(logits.float(), labels)                            # logits: [B, C]
+# -----------------------------------------------------------------------------------------------
+# 3. The loop
+#
+# Steps until the last (r.total) or a stop (Ctrl-C, SIGTERM; under torchrun the processes stop
+# together, all_true). After each step: the log line, AttendOut's rates in droprates.jsonl, an
+# evaluation every --eval-every steps (0: at each epoch's end), ckpt_last.pt every --save-every
+# steps, both at the last step. A checkpoint holds all that was logged before it: a resumed run
+# continues the logs exactly.
+
+def train(r):
+    args = r.args
+    state = r.state
+    rates_log = None                                     # AttendOut: OUT/droprates.jsonl
+    if r.raw.cfg.attn_dropout == "attendout" and is_main():
+        rates_log = attendout.DropRateLogger(r.paths["droprates.jsonl"], args.log_every,
+                                             append=args.resume)
+    meter = {"t0": time.time() - state["wall"], "seen": 0, "t_last": time.time()}
+    epoch = None                                         # the epoch whose batches are at hand
+    with StopFlag() as stop:
+        while state["step"] < r.total and all_true(stop.signum is None, r.device, r.world):
+            if epoch != state["epoch"]:
+                epoch = state["epoch"]
+                batches = epoch_batches(r, epoch)
+            step = state["step"] + 1                     # the step being taken; logs count from 1
+            numbers, epoch_done = train_step(r, batches, step, meter)
+            state["step"] = step
+            log_step(r, step, numbers, meter)
+            if rates_log is not None:                    # each layer's masking rate (§3.1)
+                rates_log.log(step, step / r.total, numbers["mask"], last=step == r.total)
+            evaluate_now = step % args.eval_every == 0 if args.eval_every else epoch_done
+            if evaluate_now or step == r.total:
+                if is_main():
+                    evaluate_and_keep_best(r, step)
+                barrier()
+            if step == r.total or (args.save_every and step % args.save_every == 0):
+                save_last(r, meter)
+        if state["step"] < r.total:                      # stopped here, or in another process
+            r.stopped_by = stop.signum or signal.SIGTERM
+            if state["saved_step"] != state["step"]:
+                save_last(r, meter)
+            if is_main():
+                print(f"stopped at step {state['step']}: saved {r.paths['ckpt_last.pt']}; "
+                      f"continue with --resume --out {args.out}")
+
+# An epoch's batches, lists of example indices: similar lengths together, shuffled by (seed,
+# epoch) alone (data.batch_plan), so resuming needs only the count used ("micro"). Under torchrun
+# each process takes every world-th example of a batch (micro_batch).
+def epoch_batches(r, epoch):
+    size = r.args.batch_size // r.args.grad_accum
+    plan = data.batch_plan([len(e.ids) for e in r.task.train], size, seed=r.args.seed, epoch=epoch)
+    return [batch for batch in plan if len(batch) >= r.world]
+
+def micro_batch(r, indices):                             # padded to its longest (data.collate)
+    batch = data.collate([r.task.train[j] for j in indices], r.tok.pad_id)
+    return {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in batch.items()}
+
+# -----------------------------------------------------------------------------------------------
+# 4. The step (methods.md §1)
+#
+# The learning rate rises linearly over the warmup, then falls linearly to 0 (t = step - 1):
+#     lr(t) = peak x (t + 1) / warmup  (t < warmup),   peak x (total - t) / (total - warmup)  after
+# each parameter group at that factor of its own peak (the G-Nets': --gnet-lr). Then each of the
+# --grad-accum micro-batches: the loss (classify_loss below, or a reader's) and its backward, the
+# gradients adding up at 1 / grad_accum each. Then clipping, a check (a non-finite loss or
+# gradient stops the run before AdamW steps: nothing non-finite is saved), and AdamW's step.
+# Returns the numbers the step line and log.jsonl show, and whether the epoch ended.
+
+def train_step(r, batches, step, meter):
+    args = r.args
+    state = r.state
+    t = step - 1
+    if t < r.warmup:
+        factor = (t + 1) / r.warmup
+    else:
+        factor = max(0.0, (r.total - t) / max(1, r.total - r.warmup))
+    for group in r.optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor
+    r.raw.set_progress(t / r.total)                      # scheduled dropout follows the progress
+    loss_sum = 0.0
+    for i in range(args.grad_accum):
+        batch = micro_batch(r, batches[state["micro"] + i])
+        meter["seen"] += batch["input_ids"].size(0) * r.world
+        sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages at the last micro-batch
+        with nullcontext() if sync else r.model.no_sync(), data.autocast(r.device):
+            loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)     # section 5
+        (loss / args.grad_accum).backward()
+        loss_sum += loss.item() / args.grad_accum
+    state["micro"] += args.grad_accum
+    epoch_done = state["micro"] + args.grad_accum > len(batches)     # no full step left in it
+    if epoch_done:
+        state["epoch"] += 1
+        state["micro"] = 0
+    norms = clip_gradients(r.optimizer, args.clip)       # the norms before clipping
+    stop_if_not_finite(r, step, loss_sum, norms, factor * args.lr)
+    r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets
+    r.optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}, epoch_done
+
+# -----------------------------------------------------------------------------------------------
+# 5. The loss (methods.md §1, §2.3, §3.1)
+#
+# All that a classification or regression step optimises, term by term:
+#     L = mean over the clean views of CE(z, y)        the task (task_loss; MSE for STS-B)
+#       + alpha x consistency(z_original, z_second)    SAR (--sar alpha): the topology shifted,
+#                                                      or R-Drop (--rdrop alpha): a 2nd dropout
+#       + consistency(z_original, z_masked)            AttendOut: the G-Nets' masked pass
+#       + tau^2 x kept                                 AttendOut's keep reward (--gnet-tau): the
+#                                                      pairs kept per example, all layers
+# consistency is the symmetric KL of two predictions (sar.consistency; a regression's squared
+# difference). The views run as one stacked batch, [original; second view; masked copy]
+# (sar.stacked_views). The backbone descends L; the G-Nets, through their reversed mask, climb the
+# last two terms. parts: each term's value ("ce", "consistency", "mask_consistency", "kept") and
+# each layer's masking rate ("mask"), for the step line and log.jsonl.
 
 def classify_loss(model, batch, args, task, tok):
-    """The loss a classification / regression step optimises, all its terms here (methods.md §1, §2.3, §3.1):
-        L = mean over the clean views of CE                         the task loss
-          + alpha x consistency(original, second view)             SAR (shifted topology) or R-Drop (a copy)
-          + consistency(original, masked) + tau^2 x kept pairs     AttendOut: the masked pass, the keep reward
-    Every view runs in one stacked batch (sar.stacked_views)."""
-    if task.head == "pair":                              # LRA Retrieval: [B, 2, L] -> [2B, L], rows 2i, 2i + 1
-        batch = data.flatten_pairs(batch)
-    raw = getattr(model, "module", model)
-    second = args.sar_shift if args.sar > 0 else 0 if args.rdrop > 0 else None   # SAR / R-Drop / neither
+    batch = as_rows(batch)
+    raw = getattr(model, "module", model)                # the Model itself, also under DDP
+    second = None                                        # no second view ...
+    alpha = 0.0
+    if args.sar > 0:                                     # ... or SAR's, shifted by s tokens
+        second = args.sar_shift
+        alpha = args.sar
+    elif args.rdrop > 0:                                 # ... or R-Drop's, a plain copy
+        second = 0
+        alpha = args.rdrop
     masked = raw.cfg.attn_dropout == "attendout"
-    z = sar.stacked_views(model, batch, second, masked)  # [B, C] per view: original, (second), (masked)
+    z = sar.stacked_views(model, batch, second, masked)  # [B, C] per view
     clean = z[:-1] if masked else z
     ce = sum(task_loss(zi, batch["labels"], task.is_regression) for zi in clean) / len(clean)
-    loss, parts = ce, {}
+    loss = ce
+    parts = {"ce": ce.item()} if second is not None or masked else {}
     if second is not None:                               # SAR / R-Drop (methods.md §2.3)
-        cons = sar.consistency(z[0], z[1], task.is_regression)
-        loss = loss + (args.sar if args.sar > 0 else args.rdrop) * cons
-        parts.update(ce=ce.item(), consistency=cons.item())
+        consistency = sar.consistency(z[0], z[1], task.is_regression)
+        loss = loss + alpha * consistency
+        parts["consistency"] = consistency.item()
     if masked:                                           # AttendOut (methods.md §3.1)
-        kl = sar.consistency(z[0], z[-1], task.is_regression)       # clean against masked
-        keep = attendout.keep_reward(raw, z[0].size(0))             # kept pairs per example, all layers
-        loss = loss + kl + raw.cfg.gnet_tau ** 2 * keep
-        parts.update(ce=ce.item(), mask_consistency=kl.item(), kept=keep.item())
+        mask_consistency = sar.consistency(z[0], z[-1], task.is_regression)
+        kept = attendout.keep_reward(raw, z[0].size(0))
+        loss = loss + mask_consistency + raw.cfg.gnet_tau ** 2 * kept
+        parts["mask_consistency"] = mask_consistency.item()
+        parts["kept"] = kept.item()
+        parts["mask"] = attendout.mask_rates(raw)        # one rate per layer
     return loss, parts
 
+def task_loss(logits, labels, regression=False):         # methods.md §1
+    if regression:
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())    # logits: [B, 1]
+    return F.cross_entropy(logits.float(), labels)                       # logits: [B, C]
+
+# The model reads rows of tokens, [rows, L]. A batch of single sequences is that already; LRA
+# Retrieval's pairs of documents, [B, 2, L], become [2B, L] with pair i in rows 2i and 2i + 1, as
+# data.flatten_pairs writes them (model.PairHead re-pairs them); the labels stay [B]. One line for
+# every task: neither the loss nor the evaluation asks which task it has.
+def as_rows(batch):
+    rows = {name: t.flatten(0, -2) for name, t in batch.items() if name != "labels"}  # [rows, L]
+    rows["labels"] = batch["labels"]                                               # [B]
+    return rows
+
+# The task's loss and evaluation, by its objective in the task table (data.TASKS): "classify" and
+# "pair" (LRA Retrieval) here, "mlm" and "span" (extractive QA) from its module of readers/.
+def objective(task_name):
+    if data.TASKS[task_name].objective in ("classify", "pair"):
+        return classify_loss, evaluate
+    return reader(task_name).loss, reader(task_name).evaluate
+
+# -----------------------------------------------------------------------------------------------
+# 6. The step line, evaluation and final.json
+#
+# Every --log-every steps (and at the last step) a line of log.jsonl holds the step's numbers, and
+# the step line writes the loss as its terms (section 5). The demo's first step (--max-steps 4):
+#     step 1/4: loss 59.3665 = ce 2.2948 + 1 x SAR consistency 0.0007 + AttendOut consistency
+#     0.0007 + 0.25 x kept pairs 228, mask rates 0.41 0.29, lr 1.00e-03, 148 examples/s
+# kept pairs: the (query, key) pairs the G-Nets kept per example, all layers; mask rates: each
+# layer's share of the real pairs masked in this step, layer 1 first.
+
+def log_step(r, step, numbers, meter):
+    if not is_main() or (step % r.args.log_every and step != r.total):
+        return
+    now = time.time()
+    rate = meter["seen"] / max(now - meter["t_last"], 1e-9)              # examples per second
+    meter["seen"] = 0
+    meter["t_last"] = now
+    append_jsonl(r.paths["log.jsonl"], {"step": step, **numbers, "examples_per_s": rate})
+    terms = [f"ce {numbers['ce']:.4f}"] if "ce" in numbers else []
+    if "consistency" in numbers:                         # + alpha x consistency
+        name = "SAR" if r.args.sar > 0 else "R-Drop"
+        alpha = r.args.sar if r.args.sar > 0 else r.args.rdrop
+        terms.append(f"{alpha:g} x {name} consistency {numbers['consistency']:.4f}")
+    if "mask_consistency" in numbers:                    # + consistency + tau^2 x kept
+        terms.append(f"AttendOut consistency {numbers['mask_consistency']:.4f}")
+        terms.append(f"{r.raw.cfg.gnet_tau ** 2:g} x kept pairs {numbers['kept']:.0f}")
+    shown = f"loss {numbers['loss']:.4f}"
+    if terms:
+        shown += " = " + " + ".join(terms)
+    if "mask" in numbers:
+        shown += ", mask rates " + " ".join(f"{m:.2f}" for m in numbers["mask"])
+    print(f"step {step}/{r.total}: {shown}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s",
+          flush=True)
+
+# The classifier's evaluation, {split: metrics (data.compute_metrics)}: one pass over each dev
+# split in eval mode (no dropout, no G-Net), on the original topology or with shift_by padding
+# tokens after the first (sar.shift: the content keeps its positions, the block boundaries move;
+# methods.md §2.3). Longest first, each batch padded to its own longest: little padding, and a
+# batch too large for the device fails at once.
 @torch.no_grad()
 def evaluate(raw, task, args, device, tok, shift_by=0):
-    """{split: the task's metrics}: one pass, on the original topology or shifted by shift_by (sar.shift)."""
-    raw.eval()                                           # no dropout; eval random blocks are fixed
+    raw.eval()
     out = {}
     for split, examples in task.dev.items():
-        preds, labels = [], []
-        for batch in data.make_batches(data.longest_first(examples), args.batch_size, pad_id=tok.pad_id, seed=0,
-                                       epoch=0, shuffle=False):       # longest first, each padded to its own
-            batch = {k: v.to(device) for k, v in batch.items()}
-            batch = data.flatten_pairs(batch) if task.head == "pair" else batch   # LRA Retrieval's pairs
-            ids, mask, pos, types = batch["input_ids"], batch["attention_mask"], None, batch["token_type_ids"]
-            if shift_by:                                 # the content keeps its positions; the blocks move
-                ids, mask, pos, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id, raw.position_ids(ids), types)
+        preds = []
+        labels = []
+        for batch in data.make_batches(data.longest_first(examples), args.batch_size,
+                                       pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
+            batch = as_rows({k: v.to(device) for k, v in batch.items()})
+            ids = batch["input_ids"]                     # [rows, L]
+            mask = batch["attention_mask"]
+            types = batch["token_type_ids"]
+            positions = None                             # None: the model's own
+            if shift_by:                                 # [rows, L + shift_by]
+                ids, mask, positions, types = sar.shift(ids, mask, shift_by, raw.cfg.pad_id,
+                                                        raw.position_ids(ids), types)
             with data.autocast(device):                  # bf16 on CUDA
-                logits = raw(ids, mask, types, pos).float()                       # [B, C]
+                logits = raw(ids, mask, types, positions).float()        # [B, C]
             preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
             labels.append(batch["labels"])
-        out[split] = data.compute_metrics(args.task, torch.cat(preds).cpu().numpy(), torch.cat(labels).cpu().numpy())
+        preds = torch.cat(preds).cpu().numpy()
+        out[split] = data.compute_metrics(args.task, preds, torch.cat(labels).cpu().numpy())
     raw.train()
     return out
 
-def objective(task_name):                                # (loss, evaluate) of the task: classify (LRA pairs too) ...
-    if data.TASKS[task_name].objective in ("mlm", "span"):  # ... or masked LM / QA: readers/, loaded on first use
-        return reader(task_name).loss, reader(task_name).evaluate
-    return classify_loss, evaluate
+# Each evaluation: the dev metrics (--eval-shift: also those under shifted topologies, with their
+# mean and worst, sar.add_shifted) into log.jsonl as {"step": s, "dev": {split: metrics}} and the
+# console. The main metric on the first split picks ckpt_best.pt (the masked LM's loss: lowest).
+def evaluate_and_keep_best(r, step):
+    if not r.task.dev:
+        return
+    metrics = r.evaluate(r.raw, r.task, r.args, r.device, r.tok)
+    cfg = r.raw.cfg
+    shifts = sar.eval_shifts(r.args.eval_shift, cfg.attention != "dense", cfg.block_size)
+    shifted = {s: r.evaluate(r.raw, r.task, r.args, r.device, r.tok, shift_by=s) for s in shifts}
+    lower_is_better = r.task.metric_name == "loss"
+    sar.add_shifted(metrics, shifted, lower_is_better=lower_is_better)
+    append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
+    r.state["dev"] = metrics
+    value = metrics[next(iter(metrics))][r.task.metric_name]
+    score = -value if lower_is_better else value         # higher is better
+    if r.state["best"] is None or score > r.state["best"]:
+        r.state["best"] = score
+        r.state["best_step"] = step
+        save_checkpoint(r, r.paths["ckpt_best.pt"], [rng_state()])       # rank 0's RNG state
+    print(f"step {step}: " + "; ".join(f"{split} {show_metrics(r.args.task, m)}"
+                                       for split, m in metrics.items()))
 
-# --- 4. The optimizer (nanoGPT's recipe). The G-Nets learn at their own rate and are clipped apart.
+# A metric on the console: "83.4%" for the task's percent metrics (data.Task.percent), a count as
+# it is, any other number as "0.5120"; after a bar, --eval-shift's mean and worst.
+def show_value(task_name, metric, value):
+    entry = data.TASKS[task_name]
+    if metric in entry.percent:
+        return f"{value * entry.scale:.1f}%"
+    return f"{value}" if isinstance(value, int) else f"{value:.4f}"
+
+def show_metrics(task_name, metrics):                    # "acc 83.4% | shifted mean ... worst ..."
+    text = ", ".join(f"{m} {show_value(task_name, m, v)}" for m, v in metrics.items()
+                     if m != "shift")
+    if "shift" in metrics:
+        mean = show_metrics(task_name, metrics["shift"]["mean"])
+        worst = show_metrics(task_name, metrics["shift"]["worst"])
+        text += f" | shifted mean {mean} worst {worst}"
+    return text
+
+# final.json, the run's record, flat:
+#     "task", "metric"          the task and its main metric (e.g. "acc")
+#     "acc", "f1", ...          the last evaluation's metrics on the first dev split, the one that
+#                               picks ckpt_best.pt (--eval-shift: also its "shift")
+#     "dev_split"               that split's name ("dev"; MNLI: "dev_matched")
+#     "dev_splits"              every split's metrics, {split: metrics}, as log.jsonl's last "dev"
+#     "best_dev", "best_step"   the best main metric, and its step
+#     "majority_baseline"       the main metric of always answering the commonest training label
+#     "config"                  every model.Config field in force (gnet_lr: the G-Nets' peak rate)
+#     "args"                    every flag in force (a Config flag not given: the model's value)
+# and the last line of the console says the main metric beside the majority class's.
+def report(r):
+    args = r.args
+    task = r.task
+    name = task.metric_name
+    majority = None
+    if task.label_names and not task.is_regression and task.dev:
+        labels = np.array([e.label for e in next(iter(task.dev.values()))])
+        counts = np.bincount([e.label for e in task.train], minlength=task.num_labels)
+        majority = data.compute_metrics(args.task, np.full_like(labels, counts.argmax()), labels)
+        majority = majority[name]
+    best = r.state["best"]
+    if best is not None and name == "loss":
+        best = -best                                     # kept negated: higher is better
+    config = asdict(r.raw.cfg)
+    config["gnet_lr"] = gnet_peak_lr(r.raw.cfg, args)
+    flags = {k: v for k, v in vars(args).items() if k != "given"}
+    flags.update({field: config[field] for field in CONFIG_FLAGS})
+    split = next(iter(r.state["dev"]), None)
+    first = r.state["dev"][split] if split is not None else {}
+    final = {"task": args.task, "metric": name, **first, "dev_split": split,
+             "dev_splits": r.state["dev"], "best_dev": best, "best_step": r.state["best_step"],
+             "majority_baseline": majority, "steps": r.state["step"],
+             "wall_time_s": round(r.state["wall"], 2), "config": config, "args": flags}
+    with open(r.paths["final.json"], "w") as f:
+        json.dump(final, f, indent=1)
+    line = f"done in {r.state['wall']:.0f}s, {r.state['step']} steps"
+    if split is not None:
+        line += f": {split} {name} {show_value(args.task, name, first[name])} at the last step"
+        line += f", best {show_value(args.task, name, best)} at step {r.state['best_step']}"
+    if majority is not None:
+        line += f" (majority-class baseline: {name} {show_value(args.task, name, majority)})"
+    print(line + f"; results in {r.paths['final.json']}")
+
+# -----------------------------------------------------------------------------------------------
+# 7. The optimizer (nanoGPT's recipe)
+#
+# AdamW (betas 0.9, 0.98, eps 1e-6, RoBERTa's) in three groups: weight matrices and embeddings
+# (decayed), biases and LayerNorms (not), and the G-Nets (not decayed, at their own peak rate
+# --gnet-lr, by default --lr's as in the author's code; methods.md §3.1). A group's "base_lr" is
+# its peak; each step sets lr = base_lr x the schedule's factor. The backbone's gradient is
+# clipped to norm --clip; the G-Nets' reversed gradient (10,000 times a logit's, through the
+# mask) is not, as in the author's code.
 
 def make_optimizer(model, args, device):
-    """AdamW: matrices (decayed), biases and LayerNorms (not), the G-Nets (their own peak lr, by default
-    --lr as in the author's code; no decay)."""
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    gnet = lambda n: attendout.GNET in n.split(".")      # attendout.GNET: the G-Nets' submodules
-    groups = [dict(params=[p for n, p in params if not gnet(n) and p.dim() >= 2], weight_decay=args.weight_decay),
-              dict(params=[p for n, p in params if not gnet(n) and p.dim() < 2], weight_decay=0.0),
-              dict(params=[p for n, p in params if gnet(n)], weight_decay=0.0,
-                   base_lr=args.lr if model.cfg.gnet_lr is None else model.cfg.gnet_lr)]
-    groups = [{"base_lr": args.lr, **g} for g in groups if g["params"]]             # base_lr: the group's peak
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, fused=device.type == "cuda")
+    groups = [{"params": [], "weight_decay": args.weight_decay, "base_lr": args.lr},
+              {"params": [], "weight_decay": 0.0, "base_lr": args.lr},
+              {"params": [], "weight_decay": 0.0, "base_lr": gnet_peak_lr(model.cfg, args)}]
+    for name, p in model.named_parameters():
+        which = 0 if p.dim() >= 2 else 1
+        which = 2 if attendout.GNET in name.split(".") else which
+        if p.requires_grad:
+            groups[which]["params"].append(p)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.98),
+                             eps=1e-6, fused=device.type == "cuda")
 
-def clip_gradients(optimizer, max_norm):                 # the backbone's; the G-Nets' reversed gradient (x 10000
-    groups = [g["params"] for g in optimizer.param_groups]  # through the mask) is not clipped, as in the author's
-    clip = lambda params, m: float(torch.nn.utils.clip_grad_norm_(params, m or math.inf))   # the norm before
-    gnet = {"gnet_grad_norm": clip(groups[2], math.inf)} if groups[2:] else {}
-    return {"grad_norm": clip(groups[0] + groups[1], max_norm), **gnet}
+def gnet_peak_lr(cfg, args):                             # --gnet-lr, or None: --lr's
+    return args.lr if cfg.gnet_lr is None else cfg.gnet_lr
 
-# --- 5. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C.
+def clip_gradients(optimizer, max_norm):                 # both norms, before clipping
+    groups = [g["params"] for g in optimizer.param_groups]
+    clip = torch.nn.utils.clip_grad_norm_
+    norms = {"grad_norm": float(clip(groups[0] + groups[1], max_norm or math.inf))}
+    if len(groups) > 2:
+        norms["gnet_grad_norm"] = float(clip(groups[2], math.inf))      # measured, not clipped
+    return norms
 
-def resolve_device(name):                                # auto, cpu, cuda or cuda:N, if this machine has it
-    gpus, kind, _, index = torch.cuda.device_count(), *name.partition(":")
+# A non-finite loss or gradient stops the run at once, in every process, before AdamW's step.
+def stop_if_not_finite(r, step, loss, norms, lr):
+    what = "gradient" if not all(math.isfinite(n) for n in norms.values()) else ""
+    what = "loss" if not math.isfinite(loss) else what
+    if all_true(not what, r.device, r.world):
+        return
+    saved = r.state["saved_step"]
+    last = f"{r.paths['ckpt_last.pt']} (step {saved})" if saved else "none written yet"
+    fail(f"non-finite {what or 'loss'} at step {step} (lr {lr:.3g}); last good checkpoint: {last}"
+         "; lower --lr", 1)
+
+# -----------------------------------------------------------------------------------------------
+# 8. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C
+
+# The device (auto: CUDA when there is one), then torchrun's processes: RANK, WORLD_SIZE and
+# LOCAL_RANK in the environment, each process on its own GPU, talking over NCCL (GPUs) or gloo.
+def setup_distributed(args):
+    gpus = torch.cuda.device_count()
+    name = args.device
     if name == "auto":
-        return torch.device("cuda" if gpus else "cpu")
-    if not (name == "cpu" or kind == "cuda" and (index or "0").isdigit() and int(index or 0) < gpus):
-        fail(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this machine has {gpus} GPUs)")
-    return torch.device(name)
-
-def setup_distributed(args):                             # (rank, world size, device); torchrun sets RANK
-    device = resolve_device(args.device)
+        name = "cuda" if gpus else "cpu"
+    kind, _, index = name.partition(":")
+    index = index or "0"
+    if not (name == "cpu" or (kind == "cuda" and index.isdigit() and int(index) < gpus)):
+        fail(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this machine has "
+             f"{gpus} GPUs)")
+    device = torch.device(name)
     if "RANK" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
@@ -347,300 +828,75 @@ def barrier():
     if dist.is_initialized():
         dist.barrier()
 
-def all_true(flag, device, world):                       # True only where it is True on every process
+def all_true(value, device, world):                      # True only where True in every process
     if world == 1:
-        return bool(flag)
-    t = torch.tensor([float(bool(flag))], device=device)  # 1.0 where True
+        return bool(value)
+    t = torch.tensor([float(bool(value))], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
-def rng_state():    # the RNGs a step draws from (dropout, G-Net noise, random blocks, masks): torch's alone
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
-            else []}
+# The random streams a step draws from (dropout, random blocks, masked-LM masks) are torch's
+# alone, so a checkpoint that holds them continues a run bit for bit.
+def rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
 
-def trim_log(path, step):                                # resume: a killed run may have logged past its checkpoint
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
-        with open(path, "w") as f:
-            f.writelines(keep)
-
-def append_jsonl(path, rec):
+def append_jsonl(path, record):
     with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+        f.write(json.dumps(record) + "\n")
 
-def save_checkpoint(r, path, rngs):                      # atomic (model.save_atomic): a temporary file, a rename
-    args = {k: v for k, v in vars(r.args).items() if k != "given"}  # the flags, to resume with
-    save_atomic(checkpoint_dict(r.raw, data.files_to_tensors(r.tok.files), train_state=r.state, args=args,
-                                optimizer=r.optimizer.state_dict(), rng=rngs), path)
-
-class StopFlag:                                          # Ctrl-C / SIGTERM: finish the step, save, exit 128 + it
-    def __enter__(self):
-        self.signum, self.old = None, {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-
-    def handle(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt                      # a second Ctrl-C aborts
-        self.signum = signum
-
-# --- 6. The run, top to bottom: setup(), then train() (step, log, evaluate, save), then report().
-
-def main(argv=None):
-    """A user error ends in one `error:` line (exit 2); Ctrl-C or SIGTERM saves, then exits 130 / 143."""
-    with one_line_errors("interrupted; the last checkpoint, if any, is --out's ckpt_last.pt"):
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-        check_args(args)
-        try:
-            r = setup(args)              # data, tokenizer, model, optimizer, schedule (or a resumed run's)
-            train(r)                     # the loop: returns at the last step, or when a stop was asked for
-            if r.state["step"] == r.total and is_main():
-                report(r)                # final.json and the last line
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    if r.stopped_by:
-        sys.exit(128 + r.stopped_by)
-
-class Run:                               # what one run holds; `state` is the part ckpt_last.pt saves
-    stopped_by = None
-    FILES = ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "final.json", "ckpt_best.pt")   # in --out
-
-def setup(args):
-    r = Run()
-    r.args, (r.rank, r.world, r.device) = args, setup_distributed(args)
-    r.paths = {name: os.path.join(args.out, name) for name in Run.FILES}
-    if os.path.isfile(args.out) or not (args.resume or args.overwrite) and any(map(os.path.exists, r.paths.values())):
-        fail(f"--out {args.out} holds another run (or is a file); pass --resume to continue it or --overwrite")
-    start = read_start(args)             # --resume's or --init's checkpoint, or None (from scratch)
-    torch.manual_seed(args.seed)         # one seed, one set of initial weights for every method (paired runs)
-    # --- data: the tokenizer (the checkpoint's, the task's, or trained here), then the task's examples
-    data_dir = task_data_dir(args)                       # --data, or the demo's ListOps
-    r.tok = load_tokenizer(args, data_dir, start and start[2])
-    limit = apply_overrides(start[0], {"max_positions": args.max_positions or start[0].max_positions}).max_len \
-        if start else math.inf                           # from scratch the model is sized to --max-len
-    if args.max_len and args.max_len > limit:
-        warn(f"--max-len {args.max_len} is longer than the model allows ({limit} tokens; --max-positions grows it)")
-    args.max_len = min(args.max_len or data.TASKS[args.task].max_len, limit)
-    r.task = reader(args.task).load_task(args.task, data_dir, r.tok, max_len=args.max_len,
-                                         **columns(args))
-    r.loss_fn, r.evaluate = objective(args.task)         # section 3
-    # --- the model: the checkpoint's (converted weights + the flags given) or from scratch
-    r.raw = make_model(args, r.tok, r.task, start)
-    check_run(args, r.task, r.raw.cfg, data_dir)
-    if args.threads or r.device.type == "cpu":           # a small model's operations are too small to split
-        torch.set_num_threads(args.threads or (1 if r.raw.num_params() < 20e6 else len(os.sched_getaffinity(0))))
-    r.raw.to(r.device)                                   # the device the run trains on
-    (r.raw.mlm if r.task.num_labels > 0 else r.raw.cls or r.raw.mlm).requires_grad_(r.task.num_labels == 0)
-    r.model = torch.compile(r.raw) if args.compile else r.raw          # what runs the forward
-    if r.world > 1:                                      # LayerDrop leaves a skipped layer without gradients
-        r.model = torch.nn.parallel.DistributedDataParallel(
-            r.model, find_unused_parameters=r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0)
-    r.model.train()
-    torch.manual_seed(args.seed + r.rank)                # nanoGPT: every process draws its own dropout masks
-    # --- the schedule: steps per epoch from the batch plan, total steps, warmup
-    if args.batch_size // args.grad_accum < r.world or args.batch_size % (args.grad_accum * r.world):
-        fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
-             f"({args.grad_accum} x {r.world})")
-    r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum  # full steps in an epoch
-    if r.per_epoch == 0:
-        fail(f"{len(r.task.train)} training examples make no full step of --batch-size {args.batch_size}")
-    r.total = args.max_steps or max(1, int(args.epochs * r.per_epoch))
-    r.warmup = int(args.warmup * r.total) if args.warmup < 1 else int(args.warmup)
-    r.optimizer = make_optimizer(r.raw, args, r.device)
-    r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0, "dev": {},
-               "saved_step": None}               # micro: the epoch's batches used; saved_step: in ckpt_last.pt
-    os.makedirs(args.out, exist_ok=True)
-    r.lock = data.lock_out(args.out) if is_main() else None   # one run at a time in --out (OUT/.lock)
-    for path in r.paths.values() if is_main() and not args.resume else ():
-        if os.path.exists(path):                         # the old run's files go only now, once all is ready
-            os.remove(path)
-    for f in os.listdir(args.out) if is_main() else ():  # a save killed mid-write leaves its temporary file
-        if f.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
-            os.remove(os.path.join(args.out, f))
-    if args.resume:
-        restore(r, start[3])
-    start = None                                         # free the checkpoint's weights
-    if is_main():
-        print(opening_line(r), flush=True)
-    return r
-
-def opening_line(r):                                     # task and data | model | method | steps, device, threads
-    args, t, c = r.args, r.task, r.raw.cfg
-    dev = " + ".join(f"{len(v)} {k}" for k, v in t.dev.items()) or "no dev"
-    origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
-    method = [f"{c.attention} attention", attendout.METHODS[c.attn_dropout].format(p=c.attn_dropout_p, cfg=c)]
-    method += [f"SAR alpha {args.sar:g} shift {args.sar_shift}"] if args.sar else [f"R-Drop alpha {args.rdrop:g}"] * (
-        args.rdrop > 0)
-    where = f"{r.total} steps on {r.device}" + (f" x {r.world} processes" if r.world > 1 else "")
-    where += f", {torch.get_num_threads()} CPU thread(s) (--threads)" if r.device.type == "cpu" else ""
-    return (f"task {args.task}: {len(t.train)} train / {dev} examples | model {r.raw.num_params() / 1e6:.2f}M "
-            f"parameters ({c.num_layers} layers, hidden {c.hidden_size}, {origin}) | {', '.join(method)} | {where}"
-            + (f"; resuming at step {r.state['step']}" if args.resume else ""))
-
-def restore(r, ckpt):                                    # AdamW, the loop state, this process's RNGs, the logs
-    r.optimizer.load_state_dict(ckpt["optimizer"])       # AdamW's moments and step
-    r.state.update(ckpt["train_state"])                  # step, epoch, micro, best, ...
+# A resumed run: AdamW's moments, the loop's state, this process's RNG states, and the logs cut
+# back to the checkpoint's step (a killed run may have logged past it).
+def restore(r, ckpt):
+    r.optimizer.load_state_dict(ckpt["optimizer"])
+    r.state.update(ckpt["train_state"])
     if len(ckpt["rng"]) != r.world:
-        warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG streams change")
-    rng = ckpt["rng"][r.rank % len(ckpt["rng"])]         # the data order is a function of (seed, epoch)
+        warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG "
+             "streams change")
+    rng = ckpt["rng"][r.rank % len(ckpt["rng"])]
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and rng["cuda"]:
         torch.cuda.set_rng_state_all(rng["cuda"])
-    for name in ("log.jsonl", "droprates.jsonl") if is_main() else ():
-        trim_log(r.paths[name], r.state["step"])         # a killed run may have logged past its checkpoint
+    for path in (r.paths["log.jsonl"], r.paths["droprates.jsonl"]):
+        if is_main() and os.path.exists(path):
+            with open(path) as f:
+                lines = [line for line in f if line.endswith("\n")]      # a killed write: no \n
+            with open(path, "w") as f:
+                f.writelines(x for x in lines if json.loads(x).get("step", 0) <= r.state["step"])
 
-def epoch_batches(r, epoch):                             # a function of (seed, epoch): resuming needs only "micro"
-    plan = data.batch_plan([len(e.ids) for e in r.task.train], r.args.batch_size // r.args.grad_accum,
-                           seed=r.args.seed, epoch=epoch)
-    return [b for b in plan if len(b) >= r.world]
-
-def train(r):      # steps until r.total or a stop; each: log, evaluate, save (a checkpoint holds all logged before)
-    args, state = r.args, r.state
-    gnet_log = (attendout.DropRateLogger(r.paths["droprates.jsonl"], args.log_every, append=args.resume)
-                if r.raw.cfg.attn_dropout == "attendout" and is_main() else None)
-    meter = {"t0": time.time() - state["wall"], "seen": 0, "t_last": time.time()}
-    epoch, batches = None, None
-    with StopFlag() as stop:
-        while state["step"] < r.total and all_true(stop.signum is None, r.device, r.world):
-            if epoch != state["epoch"]:
-                epoch, batches = state["epoch"], epoch_batches(r, state["epoch"])
-            step = state["step"] + 1                     # the step being taken; the logs count from 1
-            numbers, epoch_done = train_step(r, batches, step, meter)
-            state["step"] = step                         # the step is done
-            log_step(r, step, numbers, meter)
-            if gnet_log is not None:                     # AttendOut: each layer's mean drop rate (methods.md §3.1)
-                gnet_log.log(step, step / r.total, numbers["mask"], last=step == r.total)
-            if step == r.total or (step % args.eval_every == 0 if args.eval_every else epoch_done):
-                if is_main():
-                    evaluate_and_keep_best(r, step)
-                barrier()
-            if step == r.total or (args.save_every and step % args.save_every == 0):
-                save_last(r, meter)
-        if state["step"] < r.total:                      # Ctrl-C / SIGTERM (under torchrun: maybe another's)
-            r.stopped_by = stop.signum or signal.SIGTERM
-            if state["saved_step"] != state["step"]:
-                save_last(r, meter)
-            if is_main():
-                print(f"stopped at step {state['step']}: saved {r.paths['ckpt_last.pt']}; "
-                      f"continue with --resume --out {args.out}")
-
-def train_step(r, batches, step, meter):
-    """One optimizer step: forward and backward over --grad-accum micro-batches, clip, AdamW."""
-    args, state = r.args, r.state
-    t = step - 1                                         # linear warmup to 1, then linear decay to 0:
-    factor = (t + 1) / r.warmup if t < r.warmup else max(0.0, (r.total - t) / max(1, r.total - r.warmup))
-    for group in r.optimizer.param_groups:               # every group at factor x its own peak rate
-        group["lr"] = group["base_lr"] * factor
-    r.raw.set_progress((step - 1) / r.total)             # scheduled dropout follows training progress
-    loss_sum, parts = 0.0, {}                            # the step's loss, its logged parts
-    for i in range(args.grad_accum):                     # gradients add up over the micro-batches
-        # padded to the longest example; under torchrun each process takes every world-th example
-        batch = data.collate([r.task.train[j] for j in batches[state["micro"] + i]], r.tok.pad_id)
-        batch = {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in batch.items()}
-        meter["seen"] += batch["input_ids"].size(0) * r.world
-        sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages the gradients at the last micro-batch
-        with (nullcontext() if sync else r.model.no_sync()), data.autocast(r.device):
-            loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)       # the task's objective, section 3
-        (loss / args.grad_accum).backward()              # mean over the micro-batches
-        loss_sum += loss.item() / args.grad_accum
-    state["micro"] += args.grad_accum                    # the epoch ends when no full step is left in it
-    epoch_done = state["micro"] + args.grad_accum > len(batches)
-    if epoch_done:
-        state["epoch"], state["micro"] = state["epoch"] + 1, 0
-    norms = clip_gradients(r.optimizer, args.clip)       # the norms before clipping
-    what = "loss" if not math.isfinite(loss_sum) else "gradient" if not all(map(math.isfinite, norms.values())) else ""
-    if not all_true(not what, r.device, r.world):        # stop at once: nothing non-finite is ever saved
-        saved = state["saved_step"]
-        fail(f"non-finite {what or 'loss'} at step {step} (lr {factor * args.lr:.3g}); last good checkpoint: "
-             + (f"{r.paths['ckpt_last.pt']} (step {saved})" if saved else "none written yet") + "; lower --lr", 1)
-    r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets (reversed gradients)
-    r.optimizer.zero_grad(set_to_none=True)              # set_to_none: no zero tensors kept
-    numbers = {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}
-    if r.raw.cfg.attn_dropout == "attendout":            # AttendOut: each layer's masking rate (methods.md §3.1)
-        numbers["mask"] = attendout.mask_rates(r.raw)
-    return numbers, epoch_done
-
-def log_step(r, step, numbers, meter):                   # every --log-every steps: log.jsonl and the console
-    if step % r.args.log_every and step != r.total or not is_main():
-        return
-    now = time.time()
-    rate, meter["seen"], meter["t_last"] = meter["seen"] / max(now - meter["t_last"], 1e-9), 0, now
-    append_jsonl(r.paths["log.jsonl"], {"step": step, **numbers, "examples_per_s": rate})
-    shown = [f"loss {numbers['loss']:.4f}"]
-    terms = [f"ce {numbers['ce']:.4f}"] if "ce" in numbers else []
-    if "consistency" in numbers:                         # SAR / R-Drop: + alpha x consistency
-        name, alpha = ("SAR", r.args.sar) if r.args.sar > 0 else ("R-Drop", r.args.rdrop)
-        terms.append(f"{alpha:g} x {name} consistency {numbers['consistency']:.4f}")
-    if "mask_consistency" in numbers:                    # AttendOut: + consistency + tau^2 x kept pairs
-        tau = r.raw.cfg.gnet_tau
-        terms.append(f"AttendOut consistency {numbers['mask_consistency']:.4f}")
-        terms.append(f"{tau ** 2:g} x kept {numbers['kept']:.0f}")
-    if terms:
-        shown[0] += " = " + " + ".join(terms)
-    if "mask" in numbers:                                # AttendOut: each layer's masking rate
-        shown.append("mask rates " + " ".join(f"{m:.2f}" for m in numbers["mask"]))
-    print(f"step {step}/{r.total}: {', '.join(shown)}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s", flush=True)
-
-def evaluate_and_keep_best(r, step):                     # dev metrics (and --eval-shift's); the best: ckpt_best.pt
-    args, task, state = r.args, r.task, r.state
-    if not task.dev:
-        return
-    metrics = r.evaluate(r.raw, task, args, r.device, r.tok)  # {split: metrics}, section 3
-    shifts = sar.eval_shifts(args.eval_shift, r.raw.cfg.attention != "dense", r.raw.cfg.block_size)
-    sar.add_shifted(metrics, {s: r.evaluate(r.raw, task, args, r.device, r.tok, shift_by=s) for s in shifts},
-                    lower_is_better=task.metric_name == "loss")            # --eval-shift, methods.md §2.3
-    append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
-    state["dev"] = metrics
-    v = metrics[next(iter(metrics))][task.metric_name]   # the main metric, on the first dev split
-    score = -v if task.metric_name == "loss" else v      # higher is better (the LM's loss: lower)
-    if state["best"] is None or score > state["best"]:
-        state["best"], state["best_step"] = score, step
-        save_checkpoint(r, r.paths["ckpt_best.pt"], [rng_state()])  # [rng_state()]: rank 0's
-    print(f"step {step}: " + "; ".join(f"{split} {show_metrics(args.task, m)}" for split, m in metrics.items()))
-
-def show_value(task_name, metric, v):                    # "83.4%" for the task's percent metrics, else "0.5120"
-    t = data.TASKS[task_name]
-    return f"{v * t.scale:.1f}%" if metric in t.percent else f"{v}" if isinstance(v, int) else f"{v:.4f}"
-
-def show_metrics(task_name, metrics):                    # "acc 83.4%, f1 80.2% | shifted mean acc 82.9% worst .."
-    plain = lambda ms: ", ".join(f"{m} {show_value(task_name, m, v)}" for m, v in ms.items() if m != "shift")
-    shifted = metrics.get("shift")
-    return plain(metrics) + (f" | shifted mean {plain(shifted['mean'])} worst {plain(shifted['worst'])}"
-                             if shifted else "")
-
-def save_last(r, meter):                                 # every process calls it: their RNG states are gathered
-    r.state["wall"], r.state["saved_step"] = time.time() - meter["t0"], r.state["step"]
-    rngs = [rng_state()] * r.world                       # every process's RNG states, by rank
+# ckpt_last.pt: every process calls save_last, which gathers their RNG states; rank 0 writes.
+# A checkpoint holds the model, its tokenizer and what resuming needs (the flags, the loop's
+# state, AdamW's, the RNG states); it is atomic (model.save_atomic: a temporary file, a rename).
+def save_last(r, meter):
+    r.state["wall"] = time.time() - meter["t0"]
+    r.state["saved_step"] = r.state["step"]
+    rngs = [rng_state()] * r.world                       # by rank
     if r.world > 1:
         dist.all_gather_object(rngs, rngs[0])
     if is_main():
         save_checkpoint(r, r.paths["ckpt_last.pt"], rngs)
 
-def report(r):                                           # final.json and the last line, beside the majority class
-    args, task, state, name = r.args, r.task, r.state, r.task.metric_name
-    majority = None                                      # the majority class's main metric
-    if task.label_names and not task.is_regression and task.dev:     # always the commonest training label
-        labels = np.array([e.label for e in next(iter(task.dev.values()))])
-        common = np.bincount([e.label for e in task.train], minlength=task.num_labels).argmax()
-        majority = data.compute_metrics(args.task, np.full_like(labels, common), labels)[name]
-    best = None if state["best"] is None else -state["best"] if name == "loss" else state["best"]
-    final = {"task": args.task, "metric": name, "dev": state["dev"], "best_dev": best, "best_step": state["best_step"],
-             "steps": state["step"], "wall_time_s": round(state["wall"], 2), "majority_baseline": majority,
-             "config": asdict(r.raw.cfg), "args": {k: v for k, v in vars(args).items() if k != "given"}}
-    with open(r.paths["final.json"], "w") as f:
-        json.dump(final, f, indent=1)                    # the run's record (README figures)
-    show, line = lambda v: show_value(args.task, name, v), f"done in {state['wall']:.0f}s, {state['step']} steps"
-    if state["dev"]:
-        split = next(iter(state["dev"]))
-        line += f": {split} {name} {show(state['dev'][split][name])} at the last step"
-        line += f", best {show(best)} at step {state['best_step']}" if best is not None else ""
-    line += f" (majority-class baseline: {name} {show(majority)})" if majority is not None else ""
-    print(line + f"; results in {r.paths['final.json']}")
+def save_checkpoint(r, path, rngs):
+    flags = {k: v for k, v in vars(r.args).items() if k != "given"}
+    save_atomic(checkpoint_dict(r.raw, data.files_to_tensors(r.tok.files), train_state=r.state,
+                                args=flags, optimizer=r.optimizer.state_dict(), rng=rngs), path)
+
+# Ctrl-C or SIGTERM: the loop finishes its step and saves, then main exits 128 + the signal. A
+# second Ctrl-C aborts at once.
+class StopFlag:
+    def __enter__(self):
+        self.signum = None
+        self.old = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
 
 if __name__ == "__main__":
     main()

@@ -158,7 +158,7 @@ def shifted_scores(fs, dirs):
     s = 1, 2, ...]) and the drop under shifting, acc - the shifts' mean (methods.md §2.3)."""
     cols = collections.defaultdict(list)
     for f, d in zip(fs, dirs):
-        dev = f["dev"]["dev"]
+        dev = dev_metrics(f)
         if "shift" not in dev:
             fail(f"{d}/final.json has no shifted scores (a run without --eval-shift all): remove it to rerun")
         cols["acc"].append(dev["acc"])
@@ -512,6 +512,12 @@ def pretrained_sparse(a):
     note = pretrained_note(a, "Shifted: s = 1 .. 7 (train.py --eval-shift all; dense: s = 1 alone). Topology: "
                               + " ".join(PRE_SPARSE_TOPOLOGY) + ". ")
     write_table(a, "results_pretrained_sparse" + settings_suffix(a), table, note, raw)
+
+
+def dev_metrics(final):
+    """The first dev split's metrics in a final.json: flat ("dev_splits" beside them, since issue 34) or nested
+    (dev -> dev)."""
+    return final["dev_splits"][final["dev_split"]] if "dev_splits" in final else final["dev"]["dev"]
 
 
 def dev_acc(final):

@@ -7,9 +7,9 @@ import train
 
 
 def train_args(*argv, **fields):
-    """train.parse_args(["--task", "listops", "--sar", "0", *argv]) (the demo's SAR off unless asked for) (the parser, its defaults and `given`), then `fields` set
-    on it by name, for values that have no flag of their own. e.g. train_args("--sar", "1.0"),
-    train_args("--task", "stsb", "--batch-size", "16")."""
+    """train.parse_args(["--task", "listops", "--sar", "0", *argv]): the parser, its defaults (train.DEMO's, with
+    the demo's SAR off unless asked for) and `given`; then `fields` set on it by name, for values that have no flag
+    of their own. e.g. train_args("--sar", "1.0"), train_args("--task", "stsb", "--batch-size", "16")."""
     args = train.parse_args(["--task", "listops", "--sar", "0", *argv])    # a later flag wins, as on a command line
     for k, v in fields.items():
         if not hasattr(args, k):

@@ -130,7 +130,7 @@ def test_ctrl_c_then_sigkill_then_resume_is_bit_identical(listops_dir, tmp_path)
     assert log_lines(out) == log_lines(ref)
     assert (out / "droprates.jsonl").read_text() == (ref / "droprates.jsonl").read_text()
     final_ref, final = (json.loads((d / "final.json").read_text()) for d in (ref, out))
-    assert final["dev"] == final_ref["dev"] and final["steps"] == STEPS
+    assert final["dev_splits"] == final_ref["dev_splits"] and final["steps"] == STEPS
     assert not [f for f in os.listdir(out) if ".tmp" in f]
 
 

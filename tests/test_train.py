@@ -145,7 +145,7 @@ def check_eval_shift_all(argv, out, capfd, shifts, metric, worst=min):
         losses[name] = [r["loss"] for r in read_log(out / name) if "loss" in r]
     assert "| shifted mean " in stdout
     assert losses["all"] == losses["plain"] and len(losses["all"]) >= 2
-    assert len(evals["all"]) == len(evals["plain"]) >= 2 and finals["all"]["dev"] == evals["all"][-1]
+    assert len(evals["all"]) == len(evals["plain"]) >= 2 and finals["all"]["dev_splits"] == evals["all"][-1]
     for dev, plain in zip(evals["all"], evals["plain"]):
         for split, m in dev.items():
             shifted = m.pop("shift")
@@ -171,7 +171,7 @@ def test_eval_shift_all_on_tsv_listops_and_mlm(listops_dir, tmp_path, capfd):
     mlm = ["--task", "mlm", "--data", str(tmp_path / "text"), "--vocab-size", "24", *TINY, "--max-steps", "2",
            "--batch-size", "8", "--attention", "hst", "--block-size", "4"]
     final = check_eval_shift_all(mlm, tmp_path / "mlm", capfd, range(1, 4), "loss", worst=max)
-    dev = final["dev"]["dev"]
+    dev = final["dev_splits"]["dev"]
     assert set(dev["shift"]["worst"]) == {"loss", "ppl"}
     assert all(m["loss"] != dev["loss"] for m in dev["shift"]["by"].values())    # a continuous score: the shift moved it
 
@@ -203,11 +203,17 @@ def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
     assert [r["step"] for r in evals] == [40, 80, 120]
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3          # the loss falls
     final = json.loads((out / "final.json").read_text())
-    for key in ("task", "metric", "dev", "steps", "wall_time_s", "config"):
+    for key in ("task", "metric", "acc", "dev_split", "dev_splits", "steps", "wall_time_s", "config"):
         assert key in final
     assert final["task"] == "tsv" and final["metric"] == "acc" and final["steps"] == 120
-    assert final["dev"] == evals[-1]["dev"]
-    assert final["dev"]["dev"]["acc"] > final["majority_baseline"] + 0.2    # beats always-the-majority
+    assert final["dev_splits"] == evals[-1]["dev"] and final["dev_split"] == "dev"
+    assert final["acc"] == final["dev_splits"]["dev"]["acc"]                # flat: the first split at the top
+    assert final["acc"] > final["majority_baseline"] + 0.2    # beats always-the-majority
+    # every setting as it was in force: the G-Nets' rate resolved (None meant --lr's), the flags left to
+    # Config recorded with Config's values
+    assert final["config"]["gnet_lr"] == 3e-3 and final["args"]["lr"] == 3e-3
+    assert all(final["args"][k] == final["config"][k] for k in train.CONFIG_FLAGS)
+    assert final["args"]["window"] == 1 and final["args"]["hidden_dropout_p"] == 0.0      # not given: Config's
     for name in ("ckpt_best.pt", "ckpt_last.pt"):
         model = load_pretrained(str(out / name))
         ckpt = torch.load(out / name, weights_only=True)
@@ -231,7 +237,7 @@ def test_mlm_runs_and_its_loss_falls(tmp_path, capfd):
     losses = [r["loss"] for r in read_log(out) if "loss" in r]
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
     final = json.loads((out / "final.json").read_text())
-    assert final["metric"] == "loss" and final["dev"]["dev"]["loss"] < losses[0]
+    assert final["metric"] == "loss" and final["loss"] < losses[0]
     assert load_pretrained(str(out / "ckpt_last.pt")).cls is None
 
 
@@ -246,6 +252,81 @@ def test_mlm_from_a_folder_of_text_files(tmp_path, capfd):
                              str(tmp_path / "o"), *TINY, "--max-steps", "2", "--batch-size", "8"], capfd)
     assert code == 0 and err == [], err
     assert json.loads((tmp_path / "o" / "final.json").read_text())["steps"] == 2
+
+
+# -----------------------------------------------------------------------------
+# the defaults, the batch's rows, and the loss weights through train.py's own parser
+
+def test_the_demo_defaults_are_in_one_place():
+    """train.DEMO is the parser's defaults (python train.py --max-steps 100 is the demo); with --init, FINETUNE's
+    replace them for every flag not given; each DEMO key is a flag; a Config field DEMO sets differs from
+    Config's default (the demo switches the methods on), and FINETUNE leaves it to the checkpoint."""
+    from model import Config
+    args = train.parse_args([])
+    assert {k: getattr(args, k) for k in train.DEMO} == train.DEMO and args.given == []
+    assert (args.attention, args.block_size, args.attn_dropout, args.sar) == ("hst", 8, "attendout", 1.0)
+    dests = {a.dest for a in train.make_parser()._actions}
+    assert set(train.DEMO) <= dests and set(train.FINETUNE) <= dests
+    for k in set(train.DEMO) & set(train.CONFIG_FLAGS):
+        assert train.DEMO[k] != getattr(Config(), k), k
+    tuned = train.parse_args(["--init", "ckpt.pt", "--block-size", "16"])
+    assert tuned.given == ["block_size", "init"] and tuned.block_size == 16
+    assert {k: getattr(tuned, k) for k in train.FINETUNE if k != "block_size"} == \
+        {k: v for k, v in train.FINETUNE.items() if k != "block_size"}
+
+
+def test_as_rows_flattens_pairs_and_leaves_single_sequences():
+    """train.as_rows, which the loss and the evaluation apply to every batch: [B, L] as it is, LRA Retrieval's
+    [B, 2, L] exactly as data.flatten_pairs makes it (pair i in rows 2i, 2i + 1), the labels [B] untouched."""
+    single = data.collate([data.Example([0, 5, 6, 2], None, 1), data.Example([0, 7, 2], None, 0)], pad_id=1)
+    rows = train.as_rows(single)
+    assert all(torch.equal(rows[k], v) for k, v in single.items())
+    pairs = data.collate([data.PairExample([0, 5, 6], [0, 7], 1), data.PairExample([0, 8], [0, 9, 9, 9], 0)], 1)
+    rows, flat = train.as_rows(pairs), data.flatten_pairs(pairs)
+    assert rows.keys() == flat.keys() and all(torch.equal(rows[k], flat[k]) for k in flat)
+    assert rows["input_ids"].shape == (4, 4) and rows["labels"].shape == (2,)
+
+
+def first_step(listops_dir, out, *flags):
+    """The numbers of the first optimizer step of `train.py FLAGS` (train.train_step: "loss" is the value that
+    step backpropagates, the others its logged terms), the args built by train.py's own parser. The same seed
+    in every call: the same weights, batch and dropout draws. The weight matrices are widened (std 0.3, from their
+    own generator) so that the predictions are far from uniform and the consistency terms measurable."""
+    args = train_args("--data", listops_dir, "--out", str(out), "--batch-size", "8", *TINY, *flags)
+    r = train.setup(args)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in r.raw.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    numbers, _ = train.train_step(r, train.epoch_batches(r, 0), 1, {"seen": 0})
+    return numbers
+
+
+@pytest.mark.parametrize("flag", ["--sar", "--rdrop"])
+def test_alpha_flags_reach_the_optimised_loss(listops_dir, tmp_path, flag):
+    """--sar ALPHA / --rdrop ALPHA: L = ce + ALPHA x consistency, so doubling ALPHA adds one logged consistency to
+    the step's loss. SAR: HST without dropout (the views differ by topology); R-Drop: dense with dropout."""
+    views = ["--attention", "hst", "--block-size", "4", "--attn-dropout", "none", "--hidden-dropout-p", "0"]
+    if flag == "--rdrop":
+        views = ["--hidden-dropout-p", "0.3"]
+    step = {a: first_step(listops_dir, tmp_path / a, *views, flag, a) for a in ("1", "2")}
+    one, two = step["1"], step["2"]
+    assert (one["ce"], one["consistency"]) == (two["ce"], two["consistency"])     # the same views in both runs
+    assert one["consistency"] > 1e-6
+    assert one["loss"] == pytest.approx(one["ce"] + one["consistency"], rel=1e-6)
+    assert two["loss"] - one["loss"] == pytest.approx(one["consistency"], rel=1e-4)
+
+
+def test_gnet_tau_flag_reaches_the_optimised_loss(listops_dir, tmp_path):
+    """--gnet-tau TAU: L = ce + consistency(clean, masked) + TAU^2 x kept, so TAU 1 against 0.5 adds 0.75 x kept."""
+    flags = ["--attn-dropout", "attendout", "--hidden-dropout-p", "0"]
+    step = {tau: first_step(listops_dir, tmp_path / tau, *flags, "--gnet-tau", tau) for tau in ("0.5", "1")}
+    half, one = step["0.5"], step["1"]
+    assert (half["ce"], half["mask_consistency"], half["kept"]) == (one["ce"], one["mask_consistency"], one["kept"])
+    assert half["kept"] > 0 and len(half["mask"]) == 1                         # one rate per layer
+    assert half["loss"] == pytest.approx(half["ce"] + half["mask_consistency"] + 0.25 * half["kept"], rel=1e-6)
+    assert one["loss"] - half["loss"] == pytest.approx(0.75 * half["kept"], rel=1e-4)
 
 
 def test_flags_exist():

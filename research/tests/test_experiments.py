@@ -117,7 +117,7 @@ def test_listops_long_grid_and_probe_end_to_end(tmp_path, capfd):
     experiments.main(argv)
     assert commands(capfd) == dry
     raw = json.load(open(tables / "results_listops_long.json"))
-    dev = json.load(open(out / "listops-long-hst-s0" / "final.json"))["dev"]["dev"]
+    dev = json.load(open(out / "listops-long-hst-s0" / "final.json"))["dev_splits"]["dev"]
     assert raw["hst"]["acc_by_shift"][0] == [dev["acc"]] + [dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8)]
     assert raw["hst"]["acc_shift_worst"][0] == min(dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8))
     assert raw["hst"]["shift_drop"][0] == dev["acc"] - dev["shift"]["mean"]["acc"]
@@ -230,7 +230,7 @@ def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_init, capfd):
     raw = json.load(open(tiny_init / "tables" / "results_pretrained_attendout_sst2.json"))["sst2-lowres"]
     assert len(set(raw["attendout"])) == 2        # the seeds differ, so a wrong pairing would show below
     for v in ("standard", "attendout", "scheduled"):       # each row lists its seeds' accuracies, in seed order
-        assert raw[v] == [finals[f"sst2-lowres-{v}-s{s}"]["dev"]["dev"]["acc"] for s in (0, 1)]
+        assert raw[v] == [finals[f"sst2-lowres-{v}-s{s}"]["acc"] for s in (0, 1)]
     table = open(tiny_init / "tables" / "results_pretrained_attendout_sst2.md").read()
     contrast = experiments.fmt_diff(raw["scheduled"], raw["attendout"])
     assert f"| sst2-lowres | attendout - scheduled | {contrast} |" in table
@@ -253,7 +253,7 @@ def test_sparse_grid_scores_every_shift_of_the_final_weights(tiny_init, capfd):
     assert [os.path.basename(r) for r in runs] == ["sst2-lowres-hst-s0"]
     raw = json.load(open(tiny_init / "tables" / "results_pretrained_sparse_sst2.json"))["sst2-lowres"]
     final = json.load(open(out / "sst2-lowres-hst-s0" / "final.json"))
-    dev = final["dev"]["dev"]
+    dev = final["dev_splits"]["dev"]
     assert final["config"]["attention"] == "hst" and final["config"]["block_size"] == 8   # dense init, hst rows
     assert list(dev["shift"]["by"]) == [str(i) for i in range(1, 8)]         # b = 8: s = 1 .. 7
     assert raw["hst"]["acc_by_shift"][0] == [dev["acc"]] + [dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8)]
