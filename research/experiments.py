@@ -421,6 +421,10 @@ ATTENDOUT_ROWS = {          # the baseline first; "scheduled" replays the attend
     "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
     "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
 }
+# the rows the attendout row is paired against (besides the baseline): the no-dropout control, the
+# R-Drop control (a consistency term without a G-Net), the other G-Net shape, the author's G-Net lr,
+# and its own rates replayed as Bernoulli dropout
+CONTRASTS = ["none", "rdrop", "attendout_per_head", "attendout_gnet_lr_1e-4", "scheduled"]
 # b = 8 gives 3-4 blocks for a typical sentence; window 1, one global token ([CLS]), no random blocks
 PRE_SPARSE_TOPOLOGY = ["--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0"]
 
@@ -539,8 +543,8 @@ def pretrained_attendout(a):
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) "
              "| time per run (s) |", "|---|---|---|---|---|---|", *rows]
-    contrasts = [f"| {key} | attendout - scheduled | {fmt_diff(r['scheduled'], r['attendout'])} |"
-                 for key, r in raw.items() if "scheduled" in r and "attendout" in r]
+    contrasts = [f"| {key} | attendout - {other} | {fmt_diff(r[other], r['attendout'])} |"
+                 for key, r in raw.items() for other in CONTRASTS if other in r and "attendout" in r]
     if contrasts:                                        # the two rows paired by seed
         table += ["", "| data-setting | contrast (row - row) | paired diff, 95% CI (points) |", "|---|---|---|",
                   *contrasts]
