@@ -1,18 +1,7 @@
 """train.py: the training loop of attnreg, nanoGPT's train.py for encoders, on the CPU or the GPU.
 
-What: fine-tune a converted checkpoint (--init) or train a small model from scratch on a task of
-data.TASKS, with AdamW, warmup and linear decay, clipping, bf16 on CUDA, atomic checkpoints, exact
-resume and torchrun. The course's methods are flags: --attention sparse|hst, --sar / --rdrop,
---attn-dropout attendout (docs/methods.md §2, §3).
-
-Run:  python train.py                      # the demo (DEMO): ListOps, HST + SAR + AttendOut
-      python train.py --max-steps 100      # the same demo, 100 steps long
+Run:  python train.py --max-steps 100      # the demo (DEMO): ListOps, HST + SAR + AttendOut
       python train.py --init roberta.pt --task sst2 --data glue/SST-2      # fine-tune a checkpoint
-      torchrun --nproc_per_node 4 train.py --init roberta.pt --task mnli --data glue/MNLI
-      python train.py --resume --out out/demo                              # continue a stopped run
-
-It reads top to bottom: the flags, main and setup, the loop, the step and its loss, evaluation
-and final.json, the optimizer, then plumbing (processes, RNG states, checkpoints, Ctrl-C).
 """
 import argparse
 import json
@@ -38,22 +27,17 @@ from model import (CheckpointError, Config, Model, apply_overrides, build_model,
                    read_checkpoint, save_atomic)
 
 # -----------------------------------------------------------------------------------------------
-# 1. Flags
-#
-# The demo's settings, the parser's defaults, in one place. model.Config's defaults are a plain
-# pretrained RoBERTa's (dense attention, blocks of 64, standard attention dropout) and SAR is off;
-# the demo switches the three methods on for a small model trained from scratch on generated
-# ListOps, so that `python train.py --max-steps 100` shows each at work in a minute on a CPU.
+# 1. Flags. DEMO, the parser's defaults, switches on the three methods that model.Config's plain
+# RoBERTa leaves off (dense attention, blocks of 64, standard dropout; no SAR), for a small model
+# from scratch on generated ListOps: `python train.py --max-steps 100`, a minute on a CPU.
 DEMO = {"task": "listops", "init": "scratch",
         "layers": 2, "hidden": 128, "heads": 4, "ffn": 256,   # from scratch: 0.4M parameters
         "lr": 1e-3, "epochs": 10, "eval_every": 200,           # peak lr; evaluate every 200 steps
         "attention": "hst", "block_size": 8,                   # Config: dense, blocks of 64
         "attn_dropout": "attendout",                           # Config: standard
         "sar": 1.0}                                            # SAR's alpha (0: off)
-
-# The flags that are model.Config fields, copied onto the Config when given (None: Config's
-# default, with --init the checkpoint's). With --init, FINETUNE replaces the demo's defaults of
-# the flags not given: the usual GLUE recipe, no SAR, and the checkpoint's own Config.
+# The flags that are model.Config fields (None: Config's default, with --init the checkpoint's).
+# With --init, FINETUNE replaces DEMO for the flags not given: the usual GLUE recipe, no SAR.
 CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions",
                 "attn_dropout", "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_shape",
                 "gnet_lr", "schedule", "layerdrop", "attn_layerdrop")
@@ -138,7 +122,7 @@ def make_parser(defaults=True):
         ap.set_defaults(**DEMO)
     else:
         for action in ap._actions:
-            action.default = argparse.SUPPRESS
+            action.default = argparse.SUPPRESS           # absent unless given
     return ap
 
 def shift_arg(text):                                     # --eval-shift: N tokens, or 'all'
@@ -146,8 +130,7 @@ def shift_arg(text):                                     # --eval-shift: N token
         raise argparse.ArgumentTypeError(f"{text}: give 'all' or a number of tokens >= 0")
     return text if text == "all" else int(text)
 
-# The flags in force: the demo's defaults, with --init FINETUNE's for the flags not given.
-# args.given names the flags given (a resumed run takes the others from its checkpoint).
+# The flags in force (DEMO's defaults, with --init FINETUNE's), and args.given, those given.
 def parse_args(argv):
     args = make_parser().parse_args(argv)
     args.given = sorted(vars(make_parser(defaults=False).parse_args(argv)))
@@ -179,15 +162,9 @@ def check_args(args):
         fail(f"--schedule {s}: no such file (or linear:P_LOW:P_HIGH)")
 
 # -----------------------------------------------------------------------------------------------
-# 2. The run: main() and setup()
-#
-# main checks the flags, builds the run (setup), trains (train) and writes final.json (report).
-# A user error ends in one `error:` line (exit 2); Ctrl-C or SIGTERM finishes the step, saves
-# ckpt_last.pt and exits 130 / 143. Run holds what setup builds: args, rank, world, device,
-# paths, tok, task, loss_fn and evaluate (the task's objective), raw (the Model) and model (what
-# runs its forward: compiled, under DDP), optimizer, total and warmup (in steps), and state, the
-# loop's state that ckpt_last.pt saves.
-
+# 2. The run. main checks the flags, builds the run (setup), trains (train) and writes final.json
+# (report). A user error ends in one `error:` line (exit 2); Ctrl-C or SIGTERM finishes the step,
+# saves ckpt_last.pt and exits 130 / 143.
 def main(argv=None):
     with one_line_errors("interrupted; the last checkpoint, if any, is --out's ckpt_last.pt"):
         args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -195,7 +172,7 @@ def main(argv=None):
         try:
             r = setup(args)
             train(r)
-            if r.state["step"] == r.total and is_main():
+            if r.state["step"] == r.total and is_main():  # not after a stop
                 report(r)
         finally:
             if dist.is_initialized():
@@ -203,6 +180,8 @@ def main(argv=None):
     if r.stopped_by:
         sys.exit(128 + r.stopped_by)
 
+# Run holds what setup builds: args, rank, world, device, paths, tok, task, loss_fn and evaluate,
+# raw (the Model), model (compiled, under DDP), optimizer, total, warmup and state (ckpt_last.pt's).
 class Run:
     stopped_by = None                                    # the signal that stopped it, if one did
     FILES = ("log.jsonl", "droprates.jsonl", "ckpt_last.pt", "final.json", "ckpt_best.pt")
@@ -220,10 +199,17 @@ def setup(args):
              "or --overwrite")
     start = read_start(args)                             # None: from scratch
     torch.manual_seed(args.seed)                         # the same initial weights for each method
-
-    # The data: the tokenizer, then the examples, cut to --max-len tokens (by default the task's
-    # length, at most what the model's position table holds; from scratch the table fits it).
-    folder = task_data_dir(args)
+    # The data: --data, or for ListOps without it the demo's set, generated once; the tokenizer;
+    # the examples, cut to --max-len tokens (by default the task's length, at most what the model's
+    # position table holds; from scratch the table fits it).
+    if args.data is None and args.task != "listops":
+        fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
+    folder = args.data or os.path.join("data", "listops-demo")
+    if args.data is None and is_main() and not os.path.exists(f"{folder}/basic_val.tsv"):
+        print(f"generating a small ListOps set in {folder}", flush=True)
+        data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3,
+                           max_args=4)
+    barrier()                                            # the others wait for rank 0's set
     r.tok = load_tokenizer(args, folder, start.tokenizer_files if start else None)
     limit = math.inf
     if start is not None:
@@ -236,28 +222,24 @@ def setup(args):
     r.task = reader(args.task).load_task(args.task, folder, r.tok, max_len=args.max_len,
                                          **columns(args))
     r.loss_fn, r.evaluate = objective(args.task)         # section 5
-
     # The model on its device: one CPU thread for a small model (its operations are too small to
-    # split), the MLM head frozen beside a task head (unused there), torch.compile, and DDP,
-    # which must look for unused parameters when LayerDrop skips layers.
+    # split), the MLM head frozen beside a task head (unused there), torch.compile, and DDP.
     r.raw = make_model(args, r.tok, r.task, start)
     check_run(args, r.task, r.raw.cfg)
     if args.threads or r.device.type == "cpu":
         every_core = len(os.sched_getaffinity(0))
         torch.set_num_threads(args.threads or (1 if r.raw.num_params() < 20e6 else every_core))
     r.raw.to(r.device)
-    r.raw.mlm.requires_grad_(r.task.num_labels == 0)
+    r.raw.mlm.requires_grad_(r.task.num_labels == 0)     # trained only for masked LM
     r.model = torch.compile(r.raw) if args.compile else r.raw
     if r.world > 1:
-        skips = r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0
+        skips = r.raw.cfg.layerdrop > 0 or r.raw.cfg.attn_layerdrop > 0     # unused parameters
         r.model = torch.nn.parallel.DistributedDataParallel(r.model, find_unused_parameters=skips)
     r.model.train()
     torch.manual_seed(args.seed + r.rank)                # nanoGPT: each process its own dropout
-
-    # The schedule in optimizer steps (full steps per epoch from the batch plan; the total,
-    # --max-steps or --epochs of them; the warmup, a fraction of the total or a count), AdamW
-    # (section 7) and the loop's state (micro: the epoch's batches used so far).
-    per_process = args.batch_size // args.grad_accum
+    # The schedule in optimizer steps (full steps per epoch; the total: --max-steps or --epochs of
+    # them; the warmup: a fraction or a count), AdamW and the loop's state (micro: batches used).
+    per_process = args.batch_size // args.grad_accum     # a micro-batch, all processes
     if per_process < r.world or args.batch_size % (args.grad_accum * r.world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
              f"({args.grad_accum} x {r.world})")
@@ -270,16 +252,13 @@ def setup(args):
     r.optimizer = make_optimizer(r.raw, args, r.device)
     r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0,
                "dev": {}, "saved_step": None}        # saved_step: the step in ckpt_last.pt
-
-    # --out, once all that worked: one run at a time (data.lock_out: OUT/.lock, held for the run's
-    # life), then the old run's files go (not on --resume), and a killed save's temporary file.
+    # --out, once all that worked: one run at a time (data.lock_out), the old run's files removed
+    # (not on --resume), and a killed save's temporary file.
     os.makedirs(args.out, exist_ok=True)
-    r.lock = data.lock_out(args.out) if is_main() else None
-    for path in r.paths.values():
-        if is_main() and not args.resume and os.path.exists(path):
-            os.remove(path)
+    r.lock = data.lock_out(args.out) if is_main() else None  # OUT/.lock, for the run's life
     for name in os.listdir(args.out):
-        if is_main() and name.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp")):
+        old = name in Run.FILES and not args.resume
+        if is_main() and (old or name.startswith(("ckpt_last.pt.tmp", "ckpt_best.pt.tmp"))):
             os.remove(os.path.join(args.out, name))
     if args.resume:
         restore(r, start.checkpoint)
@@ -291,31 +270,16 @@ def columns(args):                                       # where a task's files 
     names = ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")
     return {name: getattr(args, name) for name in names}
 
-# --data, or for ListOps without it the demo's set, made once in data/listops-demo: 6,000 / 500 /
-# 500 generated expressions of 10-60 tokens.
-def task_data_dir(args):
-    if args.data is None and args.task != "listops":
-        fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
-    folder = args.data or os.path.join("data", "listops-demo")
-    if args.data is None and is_main() and not os.path.exists(f"{folder}/basic_val.tsv"):
-        print(f"generating a small ListOps set in {folder}", flush=True)
-        data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3,
-                           max_args=4)
-    barrier()
-    return folder
-
 # The module that reads a task's files: data.py for GLUE, --task tsv and ListOps; for LRA's other
-# four tasks, SQuAD and masked LM a module of readers/, imported on first use (data.py imports no
-# module of the project), which also has the loss and evaluation of its objective (objective()).
+# tasks, SQuAD and masked LM one of readers/ (imported on first use), with its objective's loss.
 def reader(task_name):
     if data.TASKS[task_name].load is not None:
         return data
-    from readers import lra, mlm, qa
+    from readers import lra, mlm, qa                     # data.py imports no project module
     return {"squad": qa, "mlm": mlm}.get(task_name, lra)
 
 # The tokenizer: the checkpoint's, the task's own (ListOps' symbols, LRA's bytes), or SentencePiece
-# trained on the training texts and cached beside the data (read-only data: data/spm-cache/).
-# Under torchrun rank 0 trains it, then the others read its cache.
+# trained by rank 0 on the training texts, cached beside the data (read-only: data/spm-cache/).
 def load_tokenizer(args, data_dir, stored_files):
     if stored_files:
         return data.tokenizer_from_files(data.tensors_to_files(stored_files))
@@ -338,7 +302,6 @@ def load_tokenizer(args, data_dir, stored_files):
 # What a run starts from: --resume's OUT/ckpt_last.pt, --init's checkpoint, or None (scratch).
 # A resumed run takes its own flags for those not given now; RESUME_FIXED's may not change.
 Start = namedtuple("Start", ["cfg", "weights", "tokenizer_files", "checkpoint"])
-
 def read_start(args):
     path = os.path.join(args.out, "ckpt_last.pt") if args.resume else args.init
     source = "--resume" if args.resume else "--init"
@@ -370,19 +333,17 @@ def read_start(args):
             setattr(args, name, value)
     return start
 
-# The model: the checkpoint's Config with the flags given, or from scratch --layers x --hidden
-# with BERT-style positions 0 .. L-1, the table sized to --max-len (+ SAR's shift + 1). The task
-# fixes the head: its kind and class count.
+# The model: the checkpoint's Config with the flags given, or from scratch --layers x --hidden,
+# positions 0 .. L-1 in a table of --max-len + SAR's shift + 1 rows; the task's head.
 def make_model(args, tok, task, start):
-    overrides = {name: getattr(args, name) for name in CONFIG_FLAGS}
-    overrides = {name: value for name, value in overrides.items() if value is not None}
+    overrides = {n: getattr(args, n) for n in CONFIG_FLAGS if getattr(args, n) is not None}
     overrides.update(num_labels=task.num_labels, head=task.head)
     if start is not None:
         return build_model(apply_overrides(start.cfg, overrides), start.weights, args.init)
     cfg = Config(vocab_size=tok.vocab_size, hidden_size=args.hidden, num_layers=args.layers,
-                 num_heads=args.heads, intermediate_size=args.ffn,
-                 max_positions=args.max_len + args.sar_shift + 1, type_vocab_size=2,
-                 pad_id=tok.pad_id, layer_norm_eps=1e-12, position_style="bert")
+                 num_heads=args.heads, intermediate_size=args.ffn, type_vocab_size=2,
+                 max_positions=args.max_len + args.sar_shift + 1, pad_id=tok.pad_id,
+                 layer_norm_eps=1e-12, position_style="bert")
     return Model(apply_overrides(cfg, overrides))
 
 # Once data and model are known: what cannot run is an `error:`, what does nothing a `warning:`.
@@ -401,9 +362,8 @@ def check_run(args, task, cfg):
     if task.skipped:
         warn(data.skipped_warning(task.skipped))
     if task.n_truncated:
-        done = "split into chunks" if task.num_labels == 0 else "truncated"
-        warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and were "
-             f"{done}")
+        done = "were split into chunks" if task.num_labels == 0 else "were truncated"
+        warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and {done}")
     if args.sar > 0 and not sparse:
         warn("--sar with dense attention has no effect: no block boundary moves")
     if args.eval_shift and not sparse:
@@ -411,15 +371,14 @@ def check_run(args, task, cfg):
     if sparse and b > max(len(e.ids) for e in task.train):
         warn(f"--block-size {b} is larger than the longest sequence: sparse attention is dense "
              "here")
-    useless = []
+    useless = []                                         # flags given that do nothing here
     for start, method in ONLY_WITH.items():              # a method's flags without the method
         useless += [n for n in args.given if n.startswith(start) and cfg.attn_dropout != method]
     useless += [n for n in args.given if n.endswith("_col") and args.task != "tsv"]
     if useless:
         warn(f"{', '.join(map(flag, useless))}: no effect with this method or task")
 
-# The run's first line: task and data | model | methods | steps, device, threads.
-def opening_line(r):
+def opening_line(r):                                     # task | model | methods | steps, device
     args = r.args
     cfg = r.raw.cfg
     dev = " + ".join(f"{len(examples)} {split}" for split, examples in r.task.dev.items())
@@ -440,14 +399,10 @@ def opening_line(r):
             f"{cfg.hidden_size}, {origin}) | {', '.join(methods)} | {where}")
 
 # -----------------------------------------------------------------------------------------------
-# 3. The loop
-#
-# Steps until the last (r.total) or a stop (Ctrl-C, SIGTERM; under torchrun the processes stop
-# together, all_true). After each step: the log line, AttendOut's rates in droprates.jsonl, an
-# evaluation every --eval-every steps (0: at each epoch's end), ckpt_last.pt every --save-every
-# steps, both at the last step. A checkpoint holds all that was logged before it: a resumed run
-# continues the logs exactly.
-
+# 3. The loop: steps until the last (r.total) or a stop (Ctrl-C, SIGTERM; under torchrun all stop
+# together). After each step: the log line, AttendOut's rates, an evaluation every --eval-every
+# steps (0: each epoch's end), ckpt_last.pt every --save-every steps; both at the last step. A
+# checkpoint holds all that was logged before it: a resumed run continues the logs exactly.
 def train(r):
     args = r.args
     state = r.state
@@ -476,36 +431,26 @@ def train(r):
             if step == r.total or (args.save_every and step % args.save_every == 0):
                 save_last(r, meter)
         if state["step"] < r.total:                      # stopped here, or in another process
-            r.stopped_by = stop.signum or signal.SIGTERM
+            r.stopped_by = stop.signum or signal.SIGTERM  # another process's stop: SIGTERM
             if state["saved_step"] != state["step"]:
                 save_last(r, meter)
             if is_main():
                 print(f"stopped at step {state['step']}: saved {r.paths['ckpt_last.pt']}; "
                       f"continue with --resume --out {args.out}")
 
-# An epoch's batches, lists of example indices: similar lengths together, shuffled by (seed,
-# epoch) alone (data.batch_plan), so resuming needs only the count used ("micro"). Under torchrun
-# each process takes every world-th example of a batch (micro_batch).
+# An epoch's batches of example indices: similar lengths together, shuffled by (seed, epoch) alone
+# (data.batch_plan), so resuming needs only the count used ("micro").
 def epoch_batches(r, epoch):
     size = r.args.batch_size // r.args.grad_accum
     plan = data.batch_plan([len(e.ids) for e in r.task.train], size, seed=r.args.seed, epoch=epoch)
     return [batch for batch in plan if len(batch) >= r.world]
 
-def micro_batch(r, indices):                             # padded to its longest (data.collate)
-    batch = data.collate([r.task.train[j] for j in indices], r.tok.pad_id)
-    return {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in batch.items()}
-
 # -----------------------------------------------------------------------------------------------
-# 4. The step (methods.md §1)
-#
-# The learning rate rises linearly over the warmup, then falls linearly to 0 (t = step - 1):
+# 4. The step (methods.md §1). The learning rate rises linearly over the warmup, then falls
+# linearly to 0 (t = step - 1), each parameter group at that factor of its own peak:
 #     lr(t) = peak x (t + 1) / warmup  (t < warmup),   peak x (total - t) / (total - warmup)  after
-# each parameter group at that factor of its own peak (the G-Nets': --gnet-lr). Then each of the
-# --grad-accum micro-batches: the loss (classify_loss below, or a reader's) and its backward, the
-# gradients adding up at 1 / grad_accum each. Then clipping, a check (a non-finite loss or
-# gradient stops the run before AdamW steps: nothing non-finite is saved), and AdamW's step.
-# Returns the numbers the step line and log.jsonl show, and whether the epoch ended.
-
+# Then each --grad-accum micro-batch's loss (section 5) backward at 1 / grad_accum, clipping, a
+# check (a non-finite loss or gradient stops the run: nothing non-finite is saved), AdamW's step.
 def train_step(r, batches, step, meter):
     args = r.args
     state = r.state
@@ -519,12 +464,14 @@ def train_step(r, batches, step, meter):
     r.raw.set_progress(t / r.total)                      # scheduled dropout follows the progress
     loss_sum = 0.0
     for i in range(args.grad_accum):
-        batch = micro_batch(r, batches[state["micro"] + i])
+        # the micro-batch, padded to its longest; each process (torchrun) takes every world-th row
+        rows = data.collate([r.task.train[j] for j in batches[state["micro"] + i]], r.tok.pad_id)
+        batch = {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in rows.items()}
         meter["seen"] += batch["input_ids"].size(0) * r.world
         sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages at the last micro-batch
         with nullcontext() if sync else r.model.no_sync(), data.autocast(r.device):
             loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)     # section 5
-        (loss / args.grad_accum).backward()
+        (loss / args.grad_accum).backward()              # the gradients add up
         loss_sum += loss.item() / args.grad_accum
     state["micro"] += args.grad_accum
     epoch_done = state["micro"] + args.grad_accum > len(batches)     # no full step left in it
@@ -538,21 +485,16 @@ def train_step(r, batches, step, meter):
     return {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}, epoch_done
 
 # -----------------------------------------------------------------------------------------------
-# 5. The loss (methods.md §1, §2.3, §3.1)
-#
-# All that a classification or regression step optimises, term by term:
+# 5. The loss (methods.md §1, §2.3, §3.1): all that a classification or regression step optimises:
 #     L = mean over the clean views of CE(z, y)        the task (task_loss; MSE for STS-B)
 #       + alpha x consistency(z_original, z_second)    SAR (--sar alpha): the topology shifted,
 #                                                      or R-Drop (--rdrop alpha): a 2nd dropout
 #       + consistency(z_original, z_masked)            AttendOut: the G-Nets' masked pass
 #       + tau^2 x kept                                 AttendOut's keep reward (--gnet-tau): the
 #                                                      pairs kept per example, all layers
-# consistency is the symmetric KL of two predictions (sar.consistency; a regression's squared
-# difference). The views run as one stacked batch, [original; second view; masked copy]
-# (sar.stacked_views). The backbone descends L; the G-Nets, through their reversed mask, climb the
-# last two terms. parts: each term's value ("ce", "consistency", "mask_consistency", "kept") and
-# each layer's masking rate ("mask"), for the step line and log.jsonl.
-
+# consistency: the symmetric KL of two predictions (a regression's squared difference). The views
+# run as one stacked batch [original; second; masked] (sar.stacked_views). The backbone descends L;
+# the G-Nets, through their reversed mask, climb the last two terms. parts: the terms, for the log.
 def classify_loss(model, batch, args, task, tok):
     batch = as_rows(batch)
     raw = getattr(model, "module", model)                # the Model itself, also under DDP
@@ -588,10 +530,8 @@ def task_loss(logits, labels, regression=False):         # methods.md §1
         return F.mse_loss(logits.squeeze(-1).float(), labels.float())    # logits: [B, 1]
     return F.cross_entropy(logits.float(), labels)                       # logits: [B, C]
 
-# The model reads rows of tokens, [rows, L]. A batch of single sequences is that already; LRA
-# Retrieval's pairs of documents, [B, 2, L], become [2B, L] with pair i in rows 2i and 2i + 1, as
-# data.flatten_pairs writes them (model.PairHead re-pairs them); the labels stay [B]. One line for
-# every task: neither the loss nor the evaluation asks which task it has.
+# The model reads rows of tokens [rows, L]: LRA Retrieval's pairs [B, 2, L] become [2B, L], pair i
+# in rows 2i, 2i + 1 (model.PairHead re-pairs them); neither loss nor evaluation asks which task.
 def as_rows(batch):
     rows = {name: t.flatten(0, -2) for name, t in batch.items() if name != "labels"}  # [rows, L]
     rows["labels"] = batch["labels"]                                               # [B]
@@ -605,15 +545,12 @@ def objective(task_name):
     return reader(task_name).loss, reader(task_name).evaluate
 
 # -----------------------------------------------------------------------------------------------
-# 6. The step line, evaluation and final.json
-#
-# Every --log-every steps (and at the last step) a line of log.jsonl holds the step's numbers, and
-# the step line writes the loss as its terms (section 5). The demo's first step (--max-steps 4):
+# 6. The step line, evaluation and final.json. Every --log-every steps (and the last) log.jsonl
+# gets the step's numbers and the step line the loss's terms. The demo's first (--max-steps 4):
 #     step 1/4: loss 59.3665 = ce 2.2948 + 1 x SAR consistency 0.0007 + AttendOut consistency
 #     0.0007 + 0.25 x kept pairs 228, mask rates 0.41 0.29, lr 1.00e-03, 148 examples/s
 # kept pairs: the (query, key) pairs the G-Nets kept per example, all layers; mask rates: each
 # layer's share of the real pairs masked in this step, layer 1 first.
-
 def log_step(r, step, numbers, meter):
     if not is_main() or (step % r.args.log_every and step != r.total):
         return
@@ -638,11 +575,10 @@ def log_step(r, step, numbers, meter):
     print(f"step {step}/{r.total}: {shown}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s",
           flush=True)
 
-# The classifier's evaluation, {split: metrics (data.compute_metrics)}: one pass over each dev
-# split in eval mode (no dropout, no G-Net), on the original topology or with shift_by padding
-# tokens after the first (sar.shift: the content keeps its positions, the block boundaries move;
-# methods.md §2.3). Longest first, each batch padded to its own longest: little padding, and a
-# batch too large for the device fails at once.
+# The classifier's evaluation, {split: metrics}: one pass over each dev split in eval mode (no
+# dropout, no G-Net), on the original topology or with shift_by padding tokens after the first
+# (sar.shift, methods.md §2.3). Longest first, each batch padded to its own longest: little
+# padding, and a batch too large for the device fails at once.
 @torch.no_grad()
 def evaluate(raw, task, args, device, tok, shift_by=0):
     raw.eval()
@@ -711,15 +647,13 @@ def show_metrics(task_name, metrics):                    # "acc 83.4% | shifted 
 
 # final.json, the run's record, flat:
 #     "task", "metric"          the task and its main metric (e.g. "acc")
-#     "acc", "f1", ...          the last evaluation's metrics on the first dev split, the one that
-#                               picks ckpt_best.pt (--eval-shift: also its "shift")
-#     "dev_split"               that split's name ("dev"; MNLI: "dev_matched")
+#     "acc", "f1", ...          the last evaluation's metrics on the first dev split (and "shift")
+#     "dev_split"               its name ("dev"; MNLI: "dev_matched"); it picks ckpt_best.pt
 #     "dev_splits"              every split's metrics, {split: metrics}, as log.jsonl's last "dev"
 #     "best_dev", "best_step"   the best main metric, and its step
 #     "majority_baseline"       the main metric of always answering the commonest training label
 #     "config"                  every model.Config field in force (gnet_lr: the G-Nets' peak rate)
 #     "args"                    every flag in force (a Config flag not given: the model's value)
-# and the last line of the console says the main metric beside the majority class's.
 def report(r):
     args = r.args
     task = r.task
@@ -727,14 +661,12 @@ def report(r):
     majority = None
     if task.label_names and not task.is_regression and task.dev:
         labels = np.array([e.label for e in next(iter(task.dev.values()))])
-        counts = np.bincount([e.label for e in task.train], minlength=task.num_labels)
-        majority = data.compute_metrics(args.task, np.full_like(labels, counts.argmax()), labels)
-        majority = majority[name]
+        commonest = np.bincount([e.label for e in task.train], minlength=task.num_labels).argmax()
+        majority = data.compute_metrics(args.task, np.full_like(labels, commonest), labels)[name]
     best = r.state["best"]
     if best is not None and name == "loss":
         best = -best                                     # kept negated: higher is better
-    config = asdict(r.raw.cfg)
-    config["gnet_lr"] = gnet_peak_lr(r.raw.cfg, args)
+    config = {**asdict(r.raw.cfg), "gnet_lr": gnet_peak_lr(r.raw.cfg, args)}
     flags = {k: v for k, v in vars(args).items() if k != "given"}
     flags.update({field: config[field] for field in CONFIG_FLAGS})
     split = next(iter(r.state["dev"]), None)
@@ -754,23 +686,19 @@ def report(r):
     print(line + f"; results in {r.paths['final.json']}")
 
 # -----------------------------------------------------------------------------------------------
-# 7. The optimizer (nanoGPT's recipe)
-#
-# AdamW (betas 0.9, 0.98, eps 1e-6, RoBERTa's) in three groups: weight matrices and embeddings
-# (decayed), biases and LayerNorms (not), and the G-Nets (not decayed, at their own peak rate
-# --gnet-lr, by default --lr's as in the author's code; methods.md §3.1). A group's "base_lr" is
-# its peak; each step sets lr = base_lr x the schedule's factor. The backbone's gradient is
-# clipped to norm --clip; the G-Nets' reversed gradient (10,000 times a logit's, through the
-# mask) is not, as in the author's code.
-
+# 7. The optimizer (nanoGPT's recipe): AdamW (betas 0.9, 0.98, eps 1e-6, RoBERTa's) in three
+# groups: weight matrices and embeddings (decayed), biases and LayerNorms (not), and the G-Nets
+# (not decayed, at their own peak rate --gnet-lr, by default --lr's; methods.md §3.1); "base_lr":
+# a group's peak. The backbone's gradient is clipped to norm --clip; the G-Nets' reversed gradient
+# (10,000 times a logit's, through the mask) is not, as in the author's code.
 def make_optimizer(model, args, device):
     groups = [{"params": [], "weight_decay": args.weight_decay, "base_lr": args.lr},
               {"params": [], "weight_decay": 0.0, "base_lr": args.lr},
               {"params": [], "weight_decay": 0.0, "base_lr": gnet_peak_lr(model.cfg, args)}]
     for name, p in model.named_parameters():
-        which = 0 if p.dim() >= 2 else 1
+        which = 0 if p.dim() >= 2 else 1                 # matrices, embeddings: decayed
         which = 2 if attendout.GNET in name.split(".") else which
-        if p.requires_grad:
+        if p.requires_grad:                              # not the frozen MLM head
             groups[which]["params"].append(p)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.98),
                              eps=1e-6, fused=device.type == "cuda")
@@ -798,22 +726,22 @@ def stop_if_not_finite(r, step, loss, norms, lr):
          "; lower --lr", 1)
 
 # -----------------------------------------------------------------------------------------------
-# 8. Plumbing: processes, RNG states (exact resume), checkpoints, Ctrl-C
-
-# The device (auto: CUDA when there is one), then torchrun's processes: RANK, WORLD_SIZE and
-# LOCAL_RANK in the environment, each process on its own GPU, talking over NCCL (GPUs) or gloo.
+# 8. Plumbing: processes, RNG states (exact resume: --resume --out OUT), checkpoints, Ctrl-C.
+# The device (auto: CUDA when there is one), then under `torchrun --nproc_per_node N train.py ...`
+# the processes: RANK, WORLD_SIZE and LOCAL_RANK in the environment, each process on its own GPU,
+# talking over NCCL (GPUs) or gloo.
 def setup_distributed(args):
     gpus = torch.cuda.device_count()
     name = args.device
     if name == "auto":
         name = "cuda" if gpus else "cpu"
     kind, _, index = name.partition(":")
-    index = index or "0"
+    index = index or "0"                                 # "cuda" is cuda:0
     if not (name == "cpu" or (kind == "cuda" and index.isdigit() and int(index) < gpus)):
         fail(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this machine has "
              f"{gpus} GPUs)")
     device = torch.device(name)
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ:                         # not under torchrun
         return 0, 1, device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -864,9 +792,8 @@ def restore(r, ckpt):
             with open(path, "w") as f:
                 f.writelines(x for x in lines if json.loads(x).get("step", 0) <= r.state["step"])
 
-# ckpt_last.pt: every process calls save_last, which gathers their RNG states; rank 0 writes.
-# A checkpoint holds the model, its tokenizer and what resuming needs (the flags, the loop's
-# state, AdamW's, the RNG states); it is atomic (model.save_atomic: a temporary file, a rename).
+# ckpt_last.pt: every process calls save_last (it gathers their RNG states); rank 0 writes. A
+# checkpoint holds the model, its tokenizer and what resuming needs; it is atomic (save_atomic).
 def save_last(r, meter):
     r.state["wall"] = time.time() - meter["t0"]
     r.state["saved_step"] = r.state["step"]
