@@ -35,6 +35,7 @@ DEMO = {"task": "listops", "init": "scratch",
         "lr": 1e-3, "epochs": 10, "eval_every": 200,           # peak lr; evaluate every 200 steps
         "attention": "hst", "block_size": 8,                   # Config: dense, blocks of 64
         "attn_dropout": "attendout",                           # Config: standard
+        "gnet_lr": 1e-5,                                       # Config: --lr's (masks die at 1e-3)
         "sar": 1.0}                                            # SAR's alpha (0: off)
 # The flags that are model.Config fields (None: Config's default, with --init the checkpoint's).
 # With --init, FINETUNE replaces DEMO for the flags not given: the usual GLUE recipe, no SAR.
