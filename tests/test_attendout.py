@@ -412,9 +412,12 @@ def test_every_method_starts_from_the_same_weights(listops_dir, tmp_path):
 
 
 def test_gnet_lr_defaults_to_the_backbone_lr(listops_dir, tmp_path):
+    # Config.gnet_lr None (fine-tuning's default, as the author's code): the G-Nets learn at --lr
     args = train_args("--data", listops_dir, "--out", str(tmp_path), *TINY, "--attn-dropout", "attendout",
-                      "--lr", "3e-4")
-    groups = train.setup(args).optimizer.param_groups
+                      "--lr", "3e-4", gnet_lr=None)
+    r = train.setup(args)
+    assert r.raw.cfg.gnet_lr is None
+    groups = r.optimizer.param_groups
     assert [g["base_lr"] for g in groups] == [3e-4, 3e-4, 3e-4]
     args = train_args("--data", listops_dir, "--out", str(tmp_path / "b"), *TINY, "--attn-dropout",
                       "attendout", "--lr", "3e-4", "--gnet-lr", "1e-5")
