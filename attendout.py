@@ -3,19 +3,11 @@ attendout.py: the attention-dropout methods of attnreg (methods.md §3): AttendO
 baselines standard, none and scheduled.
 
 The idea (AttendOut, Wu et al. 2021): a small network per layer, the G-Net, reads the layer's input
-and decides which (query, key) pairs of that layer's attention to mask. It is trained against the
-model: the model wants the same answer with and without the mask, the G-Net wants to change that
-answer, and a reward for every pair it keeps stops it from masking everything. We follow the form
-the first author published in code (gingasan/adversarialSA, "Adversarial Self-Attention", Wu et al.
-2023), methods.md §3.1.
-
-Where things are:
-    GNet          the G-Net: two projections of the detached layer input, scores G = a c^T
-    KeepMask      THE mask: M = [G > 0] forward, straight-through and reversed backward
-    AttendOut     one layer's G-Net; `hook(x)` returns the function a kernel applies to its logits
-    keep_reward   the reward term of the loss (tau^2 x kept pairs per example)
-    mask_rates    each layer's masking rate, for the step line and droprates.jsonl
-The kernels call the hook (model.dense_attention, sparse._attend); train.py builds the loss.
+and decides which (query, key) pairs of its attention to mask. The model wants the same answer with
+and without the mask, the G-Net wants to change it, and a reward for every pair it keeps stops it
+from masking everything. We follow the form the first author published in code
+(gingasan/adversarialSA, "Adversarial Self-Attention", Wu et al. 2023), methods.md §3.1.
+The kernels apply the mask (model.dense_attention, sparse._attend); train.py builds the loss.
 
 Run the tests: python -m pytest -q tests/test_attendout.py
 """
@@ -32,21 +24,17 @@ import torch.nn.functional as F
 METHODS = {
     "standard": "attention dropout {p:g}",
     "none": "no attention dropout",
-    "attendout": "AttendOut (G-Net masks, {cfg.gnet_shape})",
+    "attendout": "AttendOut (G-Net masks)",
     "scheduled": "scheduled attention dropout ({cfg.schedule})",
 }
 
-# The G-Net's submodule name: export_without_gnet drops every key with this component.
+# GNET: the G-Net's submodule name (export_without_gnet drops every key with this component).
+# MASKED: a masked pair's logit drops by this much, so it leaves the softmax (the author's -10000).
+# The G-Net's projections start as BERT's linear layers do (std 0.02), from a generator of layer
+# l's own, seeded (run seed + GNET_SEED (l + 1)).
 GNET = "gnet"
-
-# A masked pair's logit is lowered by this much: it leaves the softmax and its row renormalises
-# over the pairs kept (the author's -10000 on the attention logits).
 MASKED = 10000.0
-
-# The G-Net's projections start as BERT's linear layers do (normal, std 0.02).
 GNET_INIT_STD = 0.02
-
-# Layer l's G-Net init comes from a generator seeded (run seed + GNET_SEED (l + 1)).
 GNET_SEED = 1_000_033
 
 
@@ -54,21 +42,19 @@ GNET_SEED = 1_000_033
 # AttendOut (methods.md §3.1)
 #
 # The G-Net of layer l reads the layer's input X (detached: the G-Net cannot shape the backbone
-# through its own input) and scores every (query, key) pair with its own query-key product:
-#     a = (X W_a + b_a) / sqrt(e),   c = X W_c + b_c,   G = a c^T          G: [B, heads, L, L]
-# "shared" (the author's): one score per pair for all heads, W_a, W_c of size d x d (e = d).
-# "per-head" (the digest's wording): one score per pair and head, e = gnet_dim per head.
+# through its own input) and scores every (query, key) pair with its own query-key product, one
+# score per pair for all heads (the author's shape; one per head scored no better, §3.1):
+#     a = (X W_a + b_a) / sqrt(d),   c = X W_c + b_c,   G = a c^T          G: [B, 1, L, L]
 
 class GNet(nn.Module):
     """The G-Net of one layer: fused projections [W_a | W_c], plain Parameters (not nn.Linear), so
     that the model-wide init of nn.Linear leaves the G-Net's own seeded init alone."""
 
-    def __init__(self, hidden_size, heads, dim, seed=0):
+    def __init__(self, hidden_size, seed=0):
         super().__init__()
-        self.heads = heads
-        self.dim = dim
-        self.weight = nn.Parameter(torch.empty(2 * heads * dim, hidden_size))   # [W_a | W_c]
-        self.bias = nn.Parameter(torch.zeros(2 * heads * dim))
+        self.dim = hidden_size
+        self.weight = nn.Parameter(torch.empty(2 * hidden_size, hidden_size))   # [W_a | W_c]
+        self.bias = nn.Parameter(torch.zeros(2 * hidden_size))
         # Its own generator: the global random stream is left alone, so at one seed every
         # --attn-dropout method starts from the same backbone and head weights (paired runs,
         # methods.md §3.4).
@@ -76,14 +62,12 @@ class GNet(nn.Module):
         with torch.no_grad():
             self.weight.copy_(torch.randn(self.weight.shape, generator=g) * GNET_INIT_STD)
 
+    # x [B, L, d] -> (a, c), each [B, 1, L, d] (one head: the heads share the mask), with
+    # a_i . c_j = G_ij. Each kernel computes G from them in its own layout (pair_scores(a, c)).
     def features(self, x):
-        """x [B, L, d] -> (a, c), each [B, heads, L, e], with a_i . c_j = G_ij. Each kernel
-        computes the pair scores G from them in its own layout (pair_scores(a, c))."""
-        B, L, _ = x.shape
-        g = F.linear(x.detach(), self.weight, self.bias)                 # [B, L, 2 heads e]
-        g = g.view(B, L, 2, self.heads, self.dim)
-        g = g.permute(2, 0, 3, 1, 4)                                     # [2, B, heads, L, e]
-        return g[0] / math.sqrt(self.dim), g[1]
+        g = F.linear(x.detach(), self.weight, self.bias)                 # [B, L, 2d]
+        a, c = g[:, None].chunk(2, dim=-1)                               # [B, 1, L, d] each
+        return a / math.sqrt(self.dim), c
 
 
 # The mask, in the author's form: hard in the forward, straight-through in the backward, reversed.
@@ -124,18 +108,9 @@ class AttendOut(nn.Module):
 
     def __init__(self, cfg, layer_idx=0):
         super().__init__()
-        # the G-Net's shape: one score per pair for all heads (d -> d), or one per pair and head
-        if cfg.gnet_shape == "shared":
-            heads = 1
-            dim = cfg.hidden_size
-        elif cfg.gnet_shape == "per-head":
-            heads = cfg.num_heads
-            dim = cfg.gnet_dim
-        else:
-            raise ValueError(f"gnet_shape {cfg.gnet_shape!r}: choose shared or per-head")
         # the run's seed, per layer (methods.md §3.4)
         seed = (torch.initial_seed() + GNET_SEED * (layer_idx + 1)) % 2 ** 63
-        self.gnet = GNet(cfg.hidden_size, heads, dim, seed)
+        self.gnet = GNet(cfg.hidden_size, seed)
         # no Bernoulli dropout in either pass (the author's RoBERTa code)
         self.p = 0.0
         # differentiable: the pairs kept in this forward's masked pass, summed over kernel calls
@@ -154,15 +129,14 @@ class AttendOut(nn.Module):
         a, c = self.gnet.features(x)
 
         def mask_fn(S, valid, pair_scores):
-            # the scores and the mask in S's layout: [B, heads, ...], heads 1 (shared) or H
+            # the scores and the mask in S's layout: [B, 1, ...], broadcast over the H heads of S;
+            # [B, H, ...] in a sparse layout with random blocks, whose keys differ by head
             G = pair_scores(a, c).float()
             M = KeepMask.apply(G)
-            # count each pair once per head of the mask: a shared mask's pairs are the same in
-            # every head of S (the layouts are too, without random blocks)
+            # the real pairs kept, counted once per pair: averaged over the mask's heads
             if valid.dim() == M.dim() and valid.shape[1] > M.shape[1]:
                 valid = valid[:, : M.shape[1]]
             valid = valid.expand_as(M)
-            # the real pairs kept, averaged over the mask's heads so both shapes count alike
             heads = M.shape[1]
             kept = (M * valid).sum() / heads
             with torch.no_grad():
@@ -178,20 +152,19 @@ class AttendOut(nn.Module):
 
         return mask_fn
 
+    # this layer's share of real pairs masked in the last masked pass (nan: none ran)
     def mask_rate(self):
-        """This layer's share of real pairs masked in the last masked pass (nan: none ran)."""
         if self.stats is None or self.stats[1] == 0:
             return math.nan
         return float(1 - self.stats[0] / self.stats[1])
 
     def extra_repr(self):
-        return f"heads={self.gnet.heads}, dim={self.gnet.dim}"
+        return f"dim={self.gnet.dim}"
 
 
 # The model's AttendOut layers, and the start of every training forward.
 
 def attendout_modules(model):
-    """The AttendOut modules of a model, in layer order."""
     return [m for m in model.modules() if isinstance(m, AttendOut)]
 
 
@@ -217,12 +190,11 @@ def keep_reward(model, batch_size):
 
 
 def mask_rates(model):
-    """Each AttendOut layer's masking rate in the last masked pass (nan: the layer did not run)."""
     return [m.mask_rate() for m in attendout_modules(model)]
 
 
+# A copy of state_dict without the G-Nets (every key with a 'gnet' component): export drops them.
 def export_without_gnet(state_dict):
-    """A copy of state_dict without the G-Nets (every key with a 'gnet' component)."""
     return type(state_dict)((k, v) for k, v in state_dict.items() if GNET not in k.split("."))
 
 
@@ -232,9 +204,7 @@ def export_without_gnet(state_dict):
 # rates.
 
 class DropRateLogger:
-    """Every log_interval steps a JSON line to OUT/droprates.jsonl:
-        {"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m}
-    the masking rate of each layer, to plot or to replay as scheduled dropout (§3.2)."""
+    """{"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m} lines."""
 
     def __init__(self, path, log_interval, append=False):
         self.path = path
@@ -262,17 +232,11 @@ class DropRateLogger:
 
 
 # -----------------------------------------------------------------------------
-# standard and none (methods.md §3.3): Bernoulli dropout on the attention probabilities at a fixed
-# rate
-
-# A layer asks rate(step_frac) for the Bernoulli rate its kernel drops the attention probabilities
-# A with, in training: A' = A k / (1 - p), k ~ Bernoulli(1 - p) per pair (torch's inverted
-# dropout).
+# standard and none (methods.md §3.3): a layer asks rate(step_frac) for the Bernoulli rate its
+# kernel drops the attention probabilities with in training, A' = A k / (1 - p), k ~ Bernoulli(1-p)
+# per pair (torch's inverted dropout); p = 0 is 'none'.
 
 class AttnDropout(nn.Module):
-    """Plain Bernoulli dropout on the attention probabilities at rate p; p = 0 is 'none'.
-    A layer asks rate(step_frac) for the kernel's rate in training."""
-
     def __init__(self, p=0.0):
         super().__init__()
         self.p = float(p)
@@ -286,14 +250,11 @@ class AttnDropout(nn.Module):
 
 # -----------------------------------------------------------------------------
 # scheduled dropout (methods.md §3.2): Bernoulli dropout at a rate p_l(t) per layer l and training
-# fraction t, read from an AttendOut run's droprates.jsonl (its masking rates, replayed) or linear
-# in depth.
-
-# A parametric schedule, linear in depth and constant in time:
+# fraction t, replayed from an AttendOut run's droprates.jsonl, or linear in depth and constant in
+# time, 'linear:P_LOW:P_HIGH':
 #     p_l = p_low + (p_high - p_low) l / (L - 1),   l = 0 .. L-1
 
 def linear_schedule(spec, num_layers):
-    """'linear:P_LOW:P_HIGH' -> one rate per layer, p_l = p_low + (p_high - p_low) l / (L - 1)."""
     try:
         _, p_low, p_high = spec.split(":")
         p_low = float(p_low)
@@ -312,8 +273,7 @@ def linear_schedule(spec, num_layers):
 # read is one error naming the file and the line.
 
 def read_droprates(path, num_layers):
-    """A DropRateLogger file -> (fracs [T] increasing, rates [T][L]). A line without step_frac is
-    placed at step / (the last step logged)."""
+    """A DropRateLogger file -> (fracs [T] increasing, rates [T][L])."""
     # (step_frac or None, step, rates) per line
     points = []
     with open(path) as f:

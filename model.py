@@ -53,12 +53,10 @@ class Config:
     num_global: int = 1               # g: the first g tokens see, and are seen by, every token
     num_random: int = 0               # r: random key blocks per query block (BigBird: 3)
     # Attention dropout (methods.md §3): one of attendout.METHODS; attn_dropout_p, the standard
-    # rate. AttendOut's G-Net (methods.md §3.1): "shared" (one mask, d -> d) or "per-head" (gnet_dim
-    # per head); keep reward weight gnet_tau^2; own peak learning rate gnet_lr (None: backbone's).
+    # rate. AttendOut (methods.md §3.1): the keep reward's weight gnet_tau^2; the G-Nets' own peak
+    # learning rate gnet_lr (None: the backbone's).
     attn_dropout: str = "standard"
     attn_dropout_p: float = 0.1
-    gnet_shape: str = "shared"
-    gnet_dim: int = 16
     gnet_tau: float = 0.5
     gnet_lr: float | None = None
     schedule: str = ""                # methods.md §3.2: droprates.jsonl or "linear:P_LOW:P_HIGH"
@@ -77,7 +75,7 @@ def check_config(cfg):
         raise ValueError(
             f"hidden_size {cfg.hidden_size} is not divisible by num_heads {cfg.num_heads}")
     choices_of = (("attention", ("dense", "sparse", "hst")), ("attn_dropout", METHODS),
-                  ("head", HEADS), ("gnet_shape", ("shared", "per-head")))
+                  ("head", HEADS))
     for name, choices in choices_of:
         value = getattr(cfg, name)
         if value not in choices:

@@ -1,15 +1,13 @@
 """sar.py: Self-Attention Regularization (ERNIE-Sparse, Liu et al. 2022) and its control, R-Drop.
 
 What it is: the views of one batch (the original, the shifted topology, AttendOut's masked copy),
-run as one stacked batch, and the consistency term that asks a model for the same answer under two
-of them. The losses themselves are written out in train.py (classify_loss), one hop from the
-training step.
+run as one stacked batch, and the consistency term that asks for the same answer under two of them.
+The losses are written out in train.py (classify_loss), one hop from the training step.
 
 The idea (docs/methods.md §2.3, reconstructed): a sparse model's answer depends on where its block
-boundaries fall. SAR shifts the topology (s padding tokens after the first token move every
-boundary by s), runs both views, and adds the symmetric KL between their predictions to the
-cross-entropy. R-Drop (Liang et al. 2021) is the same loss on two unshifted views that differ only
-by dropout. Evaluation runs once, on the original topology: SAR costs nothing at inference.
+boundaries fall. SAR shifts the topology, runs both views, and adds the symmetric KL between their
+predictions to the cross-entropy. R-Drop (Liang et al. 2021) is the same loss on two unshifted
+views that differ only by dropout. Evaluation runs once, on the original topology.
 
 How to run it:  python train.py --attention hst --sar 1.0 --sar-shift 1      (or --rdrop 1.0)
 Its tests:      python -m pytest -q tests/test_sar.py
@@ -96,10 +94,8 @@ def stacked_views(model, batch, second=None, masked=False):
     ids = batch["input_ids"]
     mask = batch["attention_mask"]
     types = batch.get("token_type_ids")
-    # the Model itself, also under DistributedDataParallel
-    raw = getattr(model, "module", model)
-    # the content's positions, kept by every view
-    pos = raw.position_ids(ids)
+    raw = getattr(model, "module", model)                # the Model, also under DDP
+    pos = raw.position_ids(ids)                          # the content's positions, in every view
     views = [(ids, mask, pos, types)]
 
     # SAR: the shifted topology, [B, L + s]; the original padded at the end to the same length

@@ -40,8 +40,8 @@ DEMO = {"task": "listops", "init": "scratch",
 # The flags that are model.Config fields (None: Config's default, with --init the checkpoint's).
 # With --init, FINETUNE replaces DEMO for the flags not given: the usual GLUE recipe, no SAR.
 CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions",
-                "attn_dropout", "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_shape",
-                "gnet_lr", "schedule", "layerdrop", "attn_layerdrop")
+                "attn_dropout", "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_lr",
+                "schedule", "layerdrop", "attn_layerdrop")
 FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **dict.fromkeys(CONFIG_FLAGS)}
 # What fixes the model, the data stream and the schedule: a resumed run may not change these.
 RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col",
@@ -110,7 +110,6 @@ def make_parser(defaults=True):
     add("--attn-dropout-p", type=float, help="standard attention dropout's rate (Config: 0.1)")
     add("--hidden-dropout-p", type=float, help="embedding and residual dropout (Config: 0.1)")
     add("--gnet-tau", type=float, help="AttendOut: the keep reward's weight is tau^2 (Config: 0.5)")
-    add("--gnet-shape", choices=["shared", "per-head"], help="AttendOut: one mask, or one a head")
     add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: None: --lr)")
     add("--schedule", help="--attn-dropout scheduled: a droprates.jsonl or linear:P_LOW:P_HIGH")
     add("--layerdrop", type=float, help="LayerDrop: skip a whole layer with this probability")

@@ -414,17 +414,16 @@ ATTENDOUT_ROWS = {          # the baseline first; "scheduled" replays the attend
     "standard": ["--attn-dropout", "standard"],
     "none": ["--attn-dropout", "none"],
     "rdrop": ["--attn-dropout", "standard", "--rdrop", "1.0"],
-    "attendout": ["--attn-dropout", "attendout", "--gnet-shape", "shared", "--gnet-lr", GNET_LR],
-    "attendout_per_head": ["--attn-dropout", "attendout", "--gnet-shape", "per-head", "--gnet-lr", GNET_LR],
-    "attendout_gnet_lr_1e-4": ["--attn-dropout", "attendout", "--gnet-shape", "shared", "--gnet-lr", "1e-4"],
+    "attendout": ["--attn-dropout", "attendout", "--gnet-lr", GNET_LR],
+    "attendout_gnet_lr_1e-4": ["--attn-dropout", "attendout", "--gnet-lr", "1e-4"],
     "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],
     "layerdrop": ["--attn-dropout", "standard", "--layerdrop", "0.1"],
     "attn_layerdrop": ["--attn-dropout", "standard", "--attn-layerdrop", "0.1"],
 }
 # the rows the attendout row is paired against (besides the baseline): the no-dropout control, the
-# R-Drop control (a consistency term without a G-Net), the other G-Net shape, the author's G-Net lr,
-# and its own rates replayed as Bernoulli dropout
-CONTRASTS = ["none", "rdrop", "attendout_per_head", "attendout_gnet_lr_1e-4", "scheduled"]
+# R-Drop control (a consistency term without a G-Net), the author's G-Net lr, and its own rates
+# replayed as Bernoulli dropout (the per-head G-Net's row ran at 4b33384, docs/results.md)
+CONTRASTS = ["none", "rdrop", "attendout_gnet_lr_1e-4", "scheduled"]
 # b = 8 gives 3-4 blocks for a typical sentence; window 1, one global token ([CLS]), no random blocks
 PRE_SPARSE_TOPOLOGY = ["--block-size", "8", "--window", "1", "--num-global", "1", "--num-random", "0"]
 

@@ -25,7 +25,7 @@ from test_train import TINY  # noqa: E402  (listops_dir: conftest.py)
 
 def tiny_config(**kw):
     base = dict(vocab_size=60, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
-                max_positions=64, num_labels=3, pad_id=1, gnet_dim=4, block_size=4, num_global=1,
+                max_positions=64, num_labels=3, pad_id=1, block_size=4, num_global=1,
                 attn_dropout="attendout", hidden_dropout_p=0.0)
     base.update(kw)
     return M.Config(**base)
@@ -102,12 +102,9 @@ def test_gnet_pair_term_is_the_scaled_product_of_its_projections():
     a, c = mod.gnet.features(x)
     W_a, W_c = mod.gnet.weight.chunk(2)
     b_a, b_c = mod.gnet.bias.chunk(2)
-    want = (x @ W_a.T + b_a) @ (x @ W_c.T + b_c).transpose(-1, -2) / math.sqrt(16)   # shared: e = d
-    assert a.shape == (2, 1, 5, 16)
+    want = (x @ W_a.T + b_a) @ (x @ W_c.T + b_c).transpose(-1, -2) / math.sqrt(16)
+    assert a.shape == (2, 1, 5, 16)                     # one head: the heads share the mask
     assert torch.allclose(a @ c.transpose(-1, -2), want[:, None], atol=1e-5)
-    per_head = ao.make_attn_dropout(tiny_config(gnet_shape="per-head"), 0)
-    a, c = per_head.gnet.features(x)
-    assert a.shape == (2, 2, 5, 4)                      # [B, H, L, gnet_dim]
 
 
 def test_gnet_init_leaves_the_global_random_stream_alone():
@@ -161,10 +158,9 @@ def dense_reference(q, k, v, allowed):
     return torch.nan_to_num(S.softmax(-1)) @ v
 
 
-@pytest.mark.parametrize("shape", ["shared", "per-head"])
 @pytest.mark.parametrize("hst", [False, True])
 @pytest.mark.parametrize("num_random", [0, 1])
-def test_sparse_kernels_mask_the_same_pairs_as_dense(shape, hst, num_random):
+def test_sparse_kernels_mask_the_same_pairs_as_dense(hst, num_random):
     # the G-Net's scores in each kernel's layout: the block kernel with the mask = dense attention under
     # (layout mask) & [G > 0], with G = a c^T computed densely; and the same kept-pair counts
     torch.manual_seed(1)
@@ -173,9 +169,8 @@ def test_sparse_kernels_mask_the_same_pairs_as_dense(shape, hst, num_random):
     q, k, v = (torch.randn(B, H, L, d) for _ in range(3))
     att = torch.ones(B, n, dtype=torch.long)
     att[1, 11:] = 0
-    heads = 1 if shape == "shared" else H
-    a, c = torch.randn(B, heads, L, 3), torch.randn(B, heads, L, 3)
-    cfg = tiny_config(gnet_shape=shape, num_heads=H, hidden_size=8, gnet_dim=3)
+    a, c = torch.randn(B, 1, L, 3), torch.randn(B, 1, L, 3)     # one mask for the H heads
+    cfg = tiny_config(num_heads=H, hidden_size=8)
     mod = ao.make_attn_dropout(cfg, 0)
     mod.gnet.features = lambda x: (a, c)                  # the G-Net's features, fixed
     pattern = dict(block_size=b, window=1, num_global=1, num_random=num_random)

@@ -121,8 +121,7 @@ def test_values_that_mean_nothing_fail_before_anything_is_written(listops_dir, t
 
 def test_flags_without_effect_are_a_warning(listops_dir, tmp_path):
     cases = [(["--schedule", "linear:0.1:0.2"], "--schedule: no effect"), (["--label-col", "2"], "--label-col: no effect"),
-             (["--gnet-tau", "0.3"], "--gnet-tau: no effect"),
-             (["--gnet-shape", "per-head"], "--gnet-shape: no effect")]
+             (["--gnet-tau", "0.3"], "--gnet-tau: no effect")]
     results = run_cli("train.py", [listops_args(listops_dir, tmp_path / str(i)) + flags for i, (flags, _) in enumerate(cases)])
     for (_, what), (code, lines) in zip(cases, results):
         assert code == 0 and len(lines) == 1 and lines[0].startswith("warning: ") and what in lines[0], lines

@@ -32,7 +32,7 @@ TINY = ["--init", "scratch", "--layers", "2", "--hidden", "32", "--heads", "2", 
 
 def tiny_config(**kw):
     base = dict(vocab_size=60, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_positions=64,
-                num_labels=3, pad_id=1, gnet_dim=4, block_size=4, num_global=1)
+                num_labels=3, pad_id=1, block_size=4, num_global=1)
     base.update(kw)
     return M.Config(**base)
 
@@ -212,16 +212,16 @@ class LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("kernel", ["sparse", "hst"])
-@pytest.mark.parametrize("drop", [dict(), dict(dropout_p=0.2), "shared", "per-head"])
+@pytest.mark.parametrize("drop", [dict(), dict(dropout_p=0.2), "gnet"])
 def test_no_kernel_builds_an_n_by_n_tensor(kernel, drop):
-    # "shared" / "per-head": AttendOut's masked pass, the G-Net's scores G = a c^T in the kernel's layout
+    # "gnet": AttendOut's masked pass, the G-Net's scores G = a c^T in the kernel's layout
     B, H, n, d, b = 1, 2, 1024, 8, 16
     m = n // b
     L = n + m if kernel == "hst" else n
     q, k, v = (torch.randn(B, H, L, d, requires_grad=True) for _ in range(3))
     kw = dict(block_size=b, window=1, num_global=2, num_random=1)
-    if drop in ("shared", "per-head"):
-        gate = attendout.AttendOut(tiny_config(hidden_size=16, num_heads=H, gnet_shape=drop)).train()
+    if drop == "gnet":
+        gate = attendout.AttendOut(tiny_config(hidden_size=16, num_heads=H)).train()
         kw["mask_fn"] = gate.hook(torch.randn(B, L, 16))
     else:
         kw.update(drop)

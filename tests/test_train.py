@@ -334,7 +334,7 @@ def test_flags_exist():
     wanted = ("--task --data --init --out --epochs --max-steps --batch-size --lr --warmup --weight-decay --seed "
               "--eval-every --save-every --device --resume --compile --attention --block-size --window --num-global "
               "--num-random --max-positions --attn-dropout --attn-dropout-p --hidden-dropout-p --layerdrop "
-              "--attn-layerdrop --sar --sar-shift --rdrop --gnet-tau --gnet-shape --gnet-lr "
+              "--attn-layerdrop --sar --sar-shift --rdrop --gnet-tau --gnet-lr "
               "--schedule --overwrite").split()
     assert not [f for f in wanted if f not in flags]
 
