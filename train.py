@@ -35,7 +35,6 @@ DEMO = {"task": "listops", "init": "scratch",
         "lr": 1e-3, "epochs": 10, "eval_every": 200,           # peak lr; evaluate every 200 steps
         "attention": "hst", "block_size": 8,                   # Config: dense, blocks of 64
         "attn_dropout": "attendout",                           # Config: standard
-        "gnet_lr": 1e-5,                                       # Config: --lr's (masks die at 1e-3)
         "sar": 1.0}                                            # SAR's alpha (0: off)
 # The flags that are model.Config fields (None: Config's default, with --init the checkpoint's).
 # With --init, FINETUNE replaces DEMO for the flags not given: the usual GLUE recipe, no SAR.
@@ -110,7 +109,7 @@ def make_parser(defaults=True):
     add("--attn-dropout-p", type=float, help="standard attention dropout's rate (Config: 0.1)")
     add("--hidden-dropout-p", type=float, help="embedding and residual dropout (Config: 0.1)")
     add("--gnet-tau", type=float, help="AttendOut: the keep reward's weight is tau^2 (Config: 0.5)")
-    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: None: --lr)")
+    add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: 1e-5)")
     add("--schedule", help="--attn-dropout scheduled: a droprates.jsonl or linear:P_LOW:P_HIGH")
     add("--layerdrop", type=float, help="LayerDrop: skip a whole layer with this probability")
     add("--attn-layerdrop", type=float, help="Attn.LayerDrop: skip only the attention sub-layer")

@@ -406,14 +406,17 @@ def test_every_method_starts_from_the_same_weights(listops_dir, tmp_path):
             assert torch.equal(v, states["standard"][k]), f"{method}: {k} differs from standard's"
 
 
-def test_gnet_lr_defaults_to_the_backbone_lr(listops_dir, tmp_path):
-    # Config.gnet_lr None (fine-tuning's default, as the author's code): the G-Nets learn at --lr
+def test_gnet_lr_none_is_the_backbone_lr(listops_dir, tmp_path):
+    # Config.gnet_lr None (the author's code: one learning rate): the G-Nets learn at --lr
     args = train_args("--data", listops_dir, "--out", str(tmp_path), *TINY, "--attn-dropout", "attendout",
-                      "--lr", "3e-4", gnet_lr=None)
+                      "--lr", "3e-4")
     r = train.setup(args)
-    assert r.raw.cfg.gnet_lr is None
-    groups = r.optimizer.param_groups
+    r.raw.cfg.gnet_lr = None
+    groups = train.make_optimizer(r.raw, args, r.device).param_groups
     assert [g["base_lr"] for g in groups] == [3e-4, 3e-4, 3e-4]
     args = train_args("--data", listops_dir, "--out", str(tmp_path / "b"), *TINY, "--attn-dropout",
                       "attendout", "--lr", "3e-4", "--gnet-lr", "1e-5")
     assert train.setup(args).optimizer.param_groups[2]["base_lr"] == 1e-5
+    args = train_args("--data", listops_dir, "--out", str(tmp_path / "c"), *TINY, "--attn-dropout",
+                      "attendout", "--lr", "3e-4")
+    assert train.setup(args).optimizer.param_groups[2]["base_lr"] == M.Config().gnet_lr == 1e-5

@@ -211,7 +211,7 @@ def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
     assert final["acc"] > final["majority_baseline"] + 0.2    # beats always-the-majority
     # every setting as it was in force: the G-Nets' rate (the demo's), the flags left to Config recorded
     # with Config's values
-    assert final["config"]["gnet_lr"] == train.DEMO["gnet_lr"] and final["args"]["lr"] == 3e-3
+    assert final["config"]["gnet_lr"] == 1e-5 and final["args"]["lr"] == 3e-3          # Config's
     assert all(final["args"][k] == final["config"][k] for k in train.CONFIG_FLAGS)
     assert final["args"]["window"] == 1 and final["args"]["hidden_dropout_p"] == 0.0      # not given: Config's
     for name in ("ckpt_best.pt", "ckpt_last.pt"):
