@@ -111,13 +111,12 @@ class AttendOut(nn.Module):
         # the run's seed, per layer (methods.md §3.4)
         seed = (torch.initial_seed() + GNET_SEED * (layer_idx + 1)) % 2 ** 63
         self.gnet = GNet(cfg.hidden_size, seed)
-        # no Bernoulli dropout in either pass (the author's RoBERTa code)
-        self.p = 0.0
-        # differentiable: the pairs kept in this forward's masked pass, summed over kernel calls
+        # differentiable: the real pairs kept in this forward's masked pass, over its kernel calls
         self.kept = None
-        # [pairs kept, real pairs] of the same, without gradient: the masking rate
-        self.stats = None
+        # the real pairs of the same (no gradient); 1 - kept / pairs is the masking rate
+        self.pairs = None
 
+    # no Bernoulli dropout in either pass (the author's RoBERTa code)
     def rate(self, step_frac=0.0):
         return 0.0
 
@@ -139,14 +138,13 @@ class AttendOut(nn.Module):
             valid = valid.expand_as(M)
             heads = M.shape[1]
             kept = (M * valid).sum() / heads
-            with torch.no_grad():
-                counts = torch.stack([kept.detach(), valid.sum() / heads])
+            pairs = valid.sum() / heads
             if self.kept is None:
                 self.kept = kept
-                self.stats = counts
+                self.pairs = pairs
             else:
                 self.kept = self.kept + kept
-                self.stats = self.stats + counts
+                self.pairs = self.pairs + pairs
             # S' = S - 10000 (1 - M): a masked pair leaves the softmax
             return S + ((M - 1) * MASKED).to(S.dtype)
 
@@ -154,9 +152,9 @@ class AttendOut(nn.Module):
 
     # this layer's share of real pairs masked in the last masked pass (nan: none ran)
     def mask_rate(self):
-        if self.stats is None or self.stats[1] == 0:
+        if self.pairs is None or self.pairs == 0:
             return math.nan
-        return float(1 - self.stats[0] / self.stats[1])
+        return float(1 - self.kept.detach() / self.pairs)
 
     def extra_repr(self):
         return f"dim={self.gnet.dim}"
@@ -174,7 +172,7 @@ def begin_forward(model):
     """
     for m in attendout_modules(model):
         m.kept = None
-        m.stats = None
+        m.pairs = None
 
 
 # The keep reward (methods.md §3.1): the loss gains tau^2 x (pairs kept per example, summed over

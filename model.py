@@ -147,8 +147,7 @@ class Attention(nn.Module):
             y = dense_attention(q, k, v, key_mask, p)                             # [B, H, L, d_h]
             return self.out(y.transpose(1, 2).reshape(B, L, d))
         # Otherwise view by view; the last one (when masked) gets the G-Net's mask_fn.
-        kernels = {"dense": dense_attention, "sparse": block_sparse_attention, "hst": hst_attention}
-        attend = kernels[kernel]
+        attend = block_sparse_attention if kernel == "sparse" else hst_attention   # or dense below
         per_view = zip(split_views(x, views), split_views(q, views), split_views(k, views),
                        split_views(v, views), split_views(key_mask, views))
         ys = []

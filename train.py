@@ -687,7 +687,7 @@ def report(r):
 # -----------------------------------------------------------------------------------------------
 # 7. The optimizer (nanoGPT's recipe): AdamW (betas 0.9, 0.98, eps 1e-6, RoBERTa's) in three
 # groups: weight matrices and embeddings (decayed), biases and LayerNorms (not), and the G-Nets
-# (not decayed, at their own peak rate --gnet-lr, by default --lr's; methods.md §3.1); "base_lr":
+# (not decayed, at their own peak rate --gnet-lr, 1e-5 by default; methods.md §3.1); "base_lr":
 # a group's peak. The backbone's gradient is clipped to norm --clip; the G-Nets' reversed gradient
 # (10,000 times a logit's, through the mask) is not, as in the author's code.
 def make_optimizer(model, args, device):
@@ -702,7 +702,7 @@ def make_optimizer(model, args, device):
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.98),
                              eps=1e-6, fused=device.type == "cuda")
 
-def gnet_peak_lr(cfg, args):                             # --gnet-lr, or None: --lr's
+def gnet_peak_lr(cfg, args):                     # --gnet-lr (None: --lr's, the author's rule)
     return args.lr if cfg.gnet_lr is None else cfg.gnet_lr
 
 def clip_gradients(optimizer, max_norm):                 # both norms, before clipping
