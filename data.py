@@ -568,6 +568,39 @@ def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None
     return TaskData(split["train"], {"dev": split["dev"]}, 10, False, "acc", list(digits),
                     stats["truncated"])
 
+# The lab's tasks (section 6b), each built for blocks of `block` tokens: their generators' numbers
+# (the length in tokens, [cls] included; where the evidence lies) and the sets' sizes and seed.
+LAB = {
+    # reach: a needle in a block drawn from near .. far (uniform over their tokens); with b = 8,
+    # window 1 and no global token, 2 layers of block-sparse attention take [cls] to blocks 0-2
+    "lab-reach": dict(kind="reach", length=64, block=8, near=1, far=7),
+    # bottleneck: block j and block j + pairs hold a letter each (every token of the block);
+    # label 1: each of the pairs matches; label 0: exactly one pair differs
+    "lab-bottleneck": dict(kind="bottleneck", length=8 * 9, block=8, pairs=4),
+    # boundary: the label is the letter ("a" or "b") at token `at`, the last token of block 1,
+    # known only by its position: every other token is "a" or "b" too
+    "lab-boundary": dict(kind="boundary", length=64, block=8, at=15),
+}
+LAB_SIZES = dict(n_train=20000, n_dev=1000, seed=0)
+
+# The lab's tasks (section 6b): DIR/train.tsv and DIR/dev.tsv (Source<TAB>Target, labels "0" and
+# "1"), read as bytes. A folder without them gets them generated first (write_lab), so `mkdir DIR`
+# and `python train.py --task lab-reach --data DIR` is the whole recipe.
+def load_lab(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
+    tok = tok or ByteTokenizer()
+    paths = {"train": train_file or os.path.join(data_dir, "train.tsv"),
+             "dev": dev_file or os.path.join(data_dir, "dev.tsv")}
+    if not any(os.path.exists(path) for path in paths.values()):
+        write_lab(name, data_dir)
+    stats = {"truncated": 0}
+    index = {"0": 0, "1": 1}
+    split = {}
+    for which, path in paths.items():
+        records, _ = read_generic(path, ("Source", None, "Target"))
+        split[which] = _labelled_examples(records, tok, max_len, index, stats)
+    return TaskData(split["train"], {"dev": split["dev"]}, 2, False, "acc", list(index),
+                    stats["truncated"])
+
 # A task's entry in the table: how train.py trains it and the console shows it. The tasks readers/
 # reads have no `load`: train.py picks their module (train.reader), as data.py imports none of them.
 @dataclass(frozen=True)
@@ -594,6 +627,7 @@ TASKS = {
     "lra-pathfinder": Task(max_len=1025, tokenizer=ByteTokenizer),
     "squad": Task(objective="span", metric="f1", percent=("em", "f1"), scale=1.0),  # readers/qa.py
     "mlm": Task(objective="mlm", metric="loss", percent=()),            # readers/mlm.py
+    **{name: Task(load_lab, max_len=LAB[name]["length"], tokenizer=ByteTokenizer) for name in LAB},
 }
 
 def task_entry(name):
@@ -849,6 +883,75 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
         with open(paths[split], "w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f, delimiter="\t", lineterminator="\n")
             writer.writerows([["Source", "Target"], *part])
+    return paths
+
+# -----------------------------------------------------------------------------
+# 6b. The lab's generators (docs/results.md, "The lab"): three tasks, each with one path of
+# information that a topology has or lacks. A sequence is [cls] + letters, one byte a token, so
+# the letter at text index i is token i + 1; blocks are counted in tokens, [cls] in block 0. The
+# label, "0" or "1", is balanced. Every task's numbers (its length, the model's block size b that
+# it is built for, the evidence's place) are its entry of LAB (section 3).
+LAB_FILLER = "abcd"             # the letters that carry nothing
+LAB_NEEDLES = "XY"              # reach: the marked letter; X means label 0, Y label 1
+
+# reach: the filler, then the needle at a token of blocks near .. far; returns (text, label).
+def lab_reach(rng, length, block, near, far, **unused):
+    letters = [rng.choice(LAB_FILLER) for _ in range(length - 1)]
+    label = rng.randrange(2)
+    token = rng.randrange(max(1, near * block), (far + 1) * block)
+    letters[token - 1] = LAB_NEEDLES[label]
+    return "".join(letters), label
+
+# bottleneck: block 0 is [cls] and filler; blocks 1 .. 2 pairs hold one letter each, block j's
+# letter equal to block j + pairs' in every pair (label 1) or in all pairs but one (label 0).
+def lab_bottleneck(rng, length, block, pairs, **unused):
+    first = [rng.choice(LAB_FILLER) for _ in range(pairs)]
+    second = list(first)
+    label = rng.randrange(2)
+    if label == 0:
+        j = rng.randrange(pairs)
+        second[j] = rng.choice([c for c in LAB_FILLER if c != first[j]])
+    letters = [rng.choice(LAB_FILLER) for _ in range(block - 1)]
+    for c in first + second:
+        letters += [c] * block
+    letters += [rng.choice(LAB_FILLER) for _ in range(length - 1 - len(letters))]
+    return "".join(letters), label
+
+# boundary: "a" and "b" at random; the label is 1 iff the letter at token `at` is "b".
+def lab_boundary(rng, length, at, **unused):
+    letters = [rng.choice("ab") for _ in range(length - 1)]
+    return "".join(letters), int(letters[at - 1] == "b")
+
+LAB_KINDS = {"reach": lab_reach, "bottleneck": lab_bottleneck, "boundary": lab_boundary}
+
+# n (text, label) of a lab task, the same for the same seed.
+def generate_lab(name, n, seed):
+    spec = LAB[name]
+    rng = random.Random(f"{name}-{seed}")
+    return [LAB_KINDS[spec["kind"]](rng, **spec) for _ in range(n)]
+
+# The evidence of a reach or boundary text: the token that decides its label.
+def lab_evidence(name, text):
+    spec = LAB[name]
+    if spec["kind"] == "boundary":
+        return spec["at"]
+    return 1 + next(i for i, c in enumerate(text) if c in LAB_NEEDLES)
+
+# OUT/train.tsv and OUT/dev.tsv (header Source<TAB>Target), each written whole or not at all;
+# returns the paths.
+def write_lab(name, out_dir, n_train=None, n_dev=None, seed=None):
+    n_train = LAB_SIZES["n_train"] if n_train is None else n_train
+    n_dev = LAB_SIZES["n_dev"] if n_dev is None else n_dev
+    seed = LAB_SIZES["seed"] if seed is None else seed
+    rows = generate_lab(name, n_train + n_dev, seed)
+    splits = {"train": rows[:n_train], "dev": rows[n_train:]}
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {split: os.path.join(out_dir, f"{split}.tsv") for split in splits}
+    for split, part in splits.items():
+        with open(paths[split] + ".tmp", "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f, delimiter="\t", lineterminator="\n")
+            writer.writerows([["Source", "Target"], *part])
+        os.replace(paths[split] + ".tmp", paths[split])
     return paths
 
 # -----------------------------------------------------------------------------
