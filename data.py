@@ -576,7 +576,7 @@ LAB = {
     "lab-reach": dict(kind="reach", length=64, block=8, near=1, far=7),
     # bottleneck: block j and block j + pairs hold a letter each (every token of the block);
     # label 1: each of the pairs matches; label 0: exactly one pair differs
-    "lab-bottleneck": dict(kind="bottleneck", length=8 * 9, block=8, pairs=4),
+    "lab-bottleneck": dict(kind="bottleneck", length=8 * 9, block=8, pairs=4, letters="ab"),
     # boundary: the label is the letter ("a" or "b") at token `at`, the last token of block 1,
     # known only by its position: every other token is "a" or "b" too
     "lab-boundary": dict(kind="boundary", length=64, block=8, at=15),
@@ -904,13 +904,13 @@ def lab_reach(rng, length, block, near, far, **unused):
 
 # bottleneck: block 0 is [cls] and filler; blocks 1 .. 2 pairs hold one letter each, block j's
 # letter equal to block j + pairs' in every pair (label 1) or in all pairs but one (label 0).
-def lab_bottleneck(rng, length, block, pairs, **unused):
-    first = [rng.choice(LAB_FILLER) for _ in range(pairs)]
+def lab_bottleneck(rng, length, block, pairs, letters, **unused):
+    first = [rng.choice(letters) for _ in range(pairs)]
     second = list(first)
     label = rng.randrange(2)
     if label == 0:
         j = rng.randrange(pairs)
-        second[j] = rng.choice([c for c in LAB_FILLER if c != first[j]])
+        second[j] = rng.choice([c for c in letters if c != first[j]])
     letters = [rng.choice(LAB_FILLER) for _ in range(block - 1)]
     for c in first + second:
         letters += [c] * block
@@ -937,8 +937,8 @@ def lab_evidence(name, text):
         return spec["at"]
     return 1 + next(i for i, c in enumerate(text) if c in LAB_NEEDLES)
 
-# OUT/train.tsv and OUT/dev.tsv (header Source<TAB>Target), each written whole or not at all;
-# returns the paths.
+# OUT/train.tsv and OUT/dev.tsv (header Source<TAB>Target), each written whole or not at all, and
+# OUT/spec.json, the numbers that made them; returns the two paths.
 def write_lab(name, out_dir, n_train=None, n_dev=None, seed=None):
     n_train = LAB_SIZES["n_train"] if n_train is None else n_train
     n_dev = LAB_SIZES["n_dev"] if n_dev is None else n_dev
@@ -946,6 +946,9 @@ def write_lab(name, out_dir, n_train=None, n_dev=None, seed=None):
     rows = generate_lab(name, n_train + n_dev, seed)
     splits = {"train": rows[:n_train], "dev": rows[n_train:]}
     os.makedirs(out_dir, exist_ok=True)
+    spec = {"task": name, **LAB[name], "n_train": n_train, "n_dev": n_dev, "seed": seed}
+    with open(os.path.join(out_dir, "spec.json"), "w") as f:
+        json.dump(spec, f)                          # what made the folder (research/ checks it)
     paths = {split: os.path.join(out_dir, f"{split}.tsv") for split in splits}
     for split, part in splits.items():
         with open(paths[split] + ".tmp", "w", encoding="utf-8", newline="") as f:

@@ -586,10 +586,164 @@ def plot_droprates(a):
 
 
 # -----------------------------------------------------------------------------
+# The lab: generated tasks where the topology decides the answer (data.LAB; docs/results.md, "The lab")
+
+# One small model for every lab run: 2 x 64 from scratch, blocks of 8 (the tasks are built for b = 8), window 1, no
+# random blocks, no attention dropout (hidden dropout 0.1, Config's), lr 2e-3, batch 32, one evaluation at the
+# end. The layers and the window fix block-sparse attention's reach (reach_tokens), which the bound follows.
+LAB_MODEL = dict(layers=2, window=1, block=8)
+LAB_COMMON = ["--init", "scratch", "--layers", str(LAB_MODEL["layers"]), "--hidden", "64", "--heads", "4",
+              "--ffn", "128", "--block-size", str(LAB_MODEL["block"]), "--window", str(LAB_MODEL["window"]),
+              "--num-random", "0", "--attn-dropout", "none", "--batch-size", "32",
+              "--lr", "2e-3", "--eval-every", "1000000", "--save-every", "0"]
+# The grid: (task, attention, global tokens, SAR's alpha, steps). reach: the three topologies without a global token
+# (the needle's only paths are the window and, under HST, the representatives), and sparse with [CLS] global (one
+# global token carries one needle); bottleneck: the usual global token, sparse against hst; boundary: block-sparse
+# trained on one topology, scored under every shift, without and with SAR.
+LAB_ROWS = [
+    ("lab-reach", "dense", 0, 0.0, 600),
+    ("lab-reach", "hst", 0, 0.0, 600),
+    ("lab-reach", "sparse", 0, 0.0, 600),
+    ("lab-reach", "sparse", 1, 0.0, 600),
+    ("lab-bottleneck", "hst", 1, 0.0, 2000),
+    ("lab-bottleneck", "sparse", 1, 0.0, 2000),
+    ("lab-boundary", "sparse", 0, 0.0, 600),
+    ("lab-boundary", "sparse", 0, 1.0, 600),
+]
+
+
+def lab_data(task):
+    """data/TASK: the task's train.tsv and dev.tsv (data.write_lab), generated when missing or made from other
+    numbers than data.LAB's (its spec.json)."""
+    folder = os.path.join("data", task)
+    spec = {"task": task, **data.LAB[task], **data.LAB_SIZES}
+    try:
+        with open(os.path.join(folder, "spec.json")) as f:
+            same = json.load(f) == spec
+    except OSError:
+        same = False
+    if not same:
+        print(f"generating {folder}: data.write_lab({task!r})", flush=True)
+        data.write_lab(task, folder)
+    return folder
+
+
+def reach_tokens(layers, window, block):
+    """How far [CLS] (token 0) sees through block-sparse attention without global tokens or random blocks: a layer
+    moves information w blocks, so after L layers [CLS] holds tokens 0 .. (w L + 1) b - 1 (blocks 0 .. w L; the
+    2 w L + 1 blocks around a token, cut at the sequence's start)."""
+    return (window * layers + 1) * block
+
+
+def reach_bound(task, texts, labels, reach):
+    """The dev accuracy a receptive field of `reach` tokens allows: every example whose evidence (data.lab_evidence)
+    lies within it right, the others at the best constant guess among them (their commonest label)."""
+    far = [y for t, y in zip(texts, labels) if data.lab_evidence(task, t) >= reach]
+    best_guess = max(collections.Counter(far).values(), default=0)
+    return (len(labels) - len(far) + best_guess) / len(labels)
+
+
+def read_lab_dev(folder):
+    """(texts, labels) of a lab task's dev.tsv."""
+    records, _ = data.read_generic(os.path.join(folder, "dev.tsv"), ("Source", None, "Target"))
+    return [r[1] for r in records], [int(r[3]) for r in records]
+
+
+def lab_name(task, attention, g, alpha):
+    return f"{task[4:]}-{attention}-g{g}" + ("-sar" if alpha else "")
+
+
+def lab(a):
+    """The lab's grid (LAB_ROWS; --quick: the reach rows at the first seed), seed-major and resumable, into --out:
+    a run folder each, lab.json ({"runs": [...]}, accuracies in percent) and lab.md (the table and the contrasts)."""
+    rows = [r for r in LAB_ROWS if r[0] == "lab-reach"] if a.quick else LAB_ROWS
+    seeds = a.seeds[:1] if a.quick else a.seeds
+    t0 = time.time()
+    runs, walls = [], collections.defaultdict(list)
+    for s in seeds:
+        for task, attention, g, alpha, steps in rows:
+            folder = lab_data(task) if not a.dry_run else os.path.join("data", task)
+            out = os.path.join(a.out, f"{lab_name(task, attention, g, alpha)}-s{s}")
+            shift = ["--eval-shift", "all"] if task == "lab-boundary" else []
+            flags = ["--task", task, "--data", folder, *LAB_COMMON, "--max-steps", str(steps), "--attention",
+                     attention, "--num-global", str(g), "--sar", str(alpha), *shift, *a.extra, "--seed", str(s)]
+            f = run_train(flags, out, a)
+            if f is None:
+                continue
+            dev = dev_metrics(f)
+            bound = None
+            if attention == "sparse" and g == 0:         # the receptive field decides what it can know
+                cfg = f["config"]
+                reach = reach_tokens(cfg["num_layers"], cfg["window"], cfg["block_size"])
+                bound = 100 * reach_bound(task, *read_lab_dev(folder), reach)
+            shifted = dev.get("shift")
+            runs.append({"task": task, "attention": attention, "num_global": g, "sar": alpha, "seed": s,
+                         "dev_acc": 100 * dev["acc"],
+                         "shifted_mean": 100 * shifted["mean"]["acc"] if shifted else None,
+                         "shifted_worst": 100 * shifted["worst"]["acc"] if shifted else None,
+                         "bound": bound})
+            walls[(task, attention, g, alpha)].append(f["wall_time_s"])
+    if a.dry_run:
+        return
+    with open(os.path.join(a.out, "lab.json"), "w") as f:
+        json.dump({"runs": runs}, f, indent=1)
+    text = lab_table(runs, walls, seeds) + f"\n\nCommand: `python research/experiments.py {' '.join(a.argv)}` " \
+        f"({time.time() - t0:.0f}s here, runs already done skipped). Every run: `python train.py` with " \
+        f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --sar and --max-steps " \
+        f"(steps column); data: data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.\n"
+    with open(os.path.join(a.out, "lab.md"), "w") as f:
+        f.write(text)
+    print("\n" + text)
+
+
+def lab_table(runs, walls, seeds):
+    """lab.md's table: a row per (task, attention, global tokens, SAR), per-seed accuracies, mean +- std, shifted
+    scores and bound; then the contrasts the targets name, paired by seed with 95% t-intervals."""
+    by_row = collections.defaultdict(dict)                # row -> seed -> run
+    for r in runs:
+        by_row[(r["task"], r["attention"], r["num_global"], r["sar"])][r["seed"]] = r
+    steps = {row[:4]: row[4] for row in LAB_ROWS}
+    col = lambda row, key: [by_row[row][s][key] / 100 for s in seeds if s in by_row[row]]
+    show = lambda xs: fmt(xs) if xs and None not in xs else "-"
+    lines = ["| task | attention | global tokens | SAR alpha | steps | dev acc per seed (%) | dev acc (%) "
+             "| shifted, mean over s (%) | shifted, worst s (%) | bound of the receptive field (%) | time per run (s) |",
+             "|---" * 11 + "|"]
+    for row in by_row:
+        per_seed = " / ".join(f"{x * 100:.1f}" for x in col(row, "dev_acc"))
+        lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:g} | {steps[row]} | {per_seed} "
+                     f"| {show(col(row, 'dev_acc'))} | {show(col(row, 'shifted_mean'))} "
+                     f"| {show(col(row, 'shifted_worst'))} | {show(col(row, 'bound'))} "
+                     f"| {statistics.mean(walls[row]):.0f} |")
+    contrasts = []
+    acc = lambda *row: col(row, "dev_acc")
+    if ("lab-reach", "hst", 0, 0.0) in by_row and ("lab-reach", "sparse", 0, 0.0) in by_row:
+        sparse, hst = acc("lab-reach", "sparse", 0, 0.0), acc("lab-reach", "hst", 0, 0.0)
+        bound = col(("lab-reach", "sparse", 0, 0.0), "bound")
+        contrasts += [("reach", "hst - sparse (no global token)", fmt_diff(sparse, hst)),
+                      ("reach", "sparse - its bound", fmt_diff(bound, sparse))]
+    if ("lab-bottleneck", "hst", 1, 0.0) in by_row and ("lab-bottleneck", "sparse", 1, 0.0) in by_row:
+        contrasts.append(("bottleneck", "hst - sparse (one global token)",
+                          fmt_diff(acc("lab-bottleneck", "sparse", 1, 0.0), acc("lab-bottleneck", "hst", 1, 0.0))))
+    if ("lab-boundary", "sparse", 0, 0.0) in by_row and ("lab-boundary", "sparse", 0, 1.0) in by_row:
+        drops = {}
+        for alpha in (0.0, 1.0):
+            row = ("lab-boundary", "sparse", 0, alpha)
+            drops[alpha] = [x - y for x, y in zip(col(row, "dev_acc"), col(row, "shifted_mean"))]
+            zero = [0.0] * len(drops[alpha])
+            contrasts.append(("boundary", f"drop under shift (dev - shifted mean), SAR alpha {alpha:g}",
+                              fmt_diff(zero, drops[alpha])))
+        contrasts.append(("boundary", "drop with SAR - drop without", fmt_diff(drops[0.0], drops[1.0])))
+    if contrasts:
+        lines += ["", "| task | contrast | paired difference, 95% CI (points) |", "|---|---|---|",
+                  *[f"| {t} | {c} | {d} |" for t, c, d in contrasts]]
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
 # The command line
 
 EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-long-probe": listops_long_probe,
-               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout}
+               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout, "lab": lab}
 
 
 def main(argv=None):
@@ -597,7 +751,7 @@ def main(argv=None):
     ap.add_argument("experiment", choices=list(EXPERIMENTS))
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (pretrained-attendout: 0-4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads)")
-    ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT)")
+    ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT); lab: also lab.json")
     ap.add_argument("--tables", default=os.path.join("out", "tables"), help="where the tables and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),
                     help="pretrained-*: a folder with sst2/ and mr/ (train.tsv, dev.tsv: label<TAB>text)")
@@ -611,6 +765,7 @@ def main(argv=None):
                     help="more train.py flags for every run (last on the line, so they win: --extra --lr 1e-3)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs, run nothing")
     ap.add_argument("--candidates", action="store_true", help="listops-long: the candidate sizes' learning curves")
+    ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed alone")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
@@ -619,6 +774,8 @@ def main(argv=None):
     a.out = a.out or os.path.join("out", "listops-long" if a.experiment == "listops-long-probe" else a.experiment)
     if a.candidates and a.experiment != "listops-long":
         fail("--candidates: only for listops-long")
+    if a.quick and a.experiment != "lab":
+        fail("--quick: only for lab")
     if a.experiment.startswith("pretrained"):
         if a.init is None:
             fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
