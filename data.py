@@ -930,6 +930,19 @@ def generate_lab(name, n, seed):
     rng = random.Random(f"{name}-{seed}")
     return [LAB_KINDS[spec["kind"]](rng, **spec) for _ in range(n)]
 
+# A text's label by its task's rule, read off the text (apart from the generators, which build a
+# text for a label): reach, the needle is Y; bottleneck, every block j (1 .. pairs) holds the same
+# letter as block j + pairs; boundary, token `at` is "b".
+def lab_label(name, text):
+    spec = LAB[name]
+    if spec["kind"] == "reach":
+        return int(text[lab_evidence(name, text) - 1] == LAB_NEEDLES[1])
+    if spec["kind"] == "boundary":
+        return int(text[spec["at"] - 1] == "b")
+    b = spec["block"]
+    blocks = [text[j * b - 1:(j + 1) * b - 1] for j in range(1, 2 * spec["pairs"] + 1)]
+    return int(all(blocks[j] == blocks[j + spec["pairs"]] for j in range(spec["pairs"])))
+
 # The evidence of a reach or boundary text: the token that decides its label.
 def lab_evidence(name, text):
     spec = LAB[name]

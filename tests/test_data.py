@@ -403,7 +403,7 @@ def test_csv_with_an_unbalanced_quote_names_the_line(tmp_path, bert_tok):
 def test_task_table():
     """Every task names its objective, head and metric; LRA and QA are read by readers/, loaded on first use."""
     assert set(data.TASKS) == set(data.GLUE) | {"tsv", "listops", "mlm", "squad", "lra-text", "lra-retrieval",
-                                                "lra-image", "lra-pathfinder"}
+                                                "lra-image", "lra-pathfinder", *data.LAB}
     heads = {"classify": "cls", "pair": "pair", "mlm": "cls", "span": "span"}
     for name, t in data.TASKS.items():
         assert t.objective in heads and t.head == heads[t.objective], name
