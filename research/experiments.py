@@ -706,7 +706,8 @@ def lab_table(runs, walls, seeds):
     col = lambda row, key: [by_row[row][s][key] / 100 for s in seeds if s in by_row[row]]
     show = lambda xs: fmt(xs) if xs and None not in xs else "-"
     lines = ["| task | attention | global tokens | SAR alpha | steps | dev acc per seed (%) | dev acc (%) "
-             "| shifted, mean over s (%) | shifted, worst s (%) | bound of the receptive field (%) | time per run (s) |",
+             "| shifted, mean over s (%) | shifted, worst s (%) | bound of the receptive field (%) "
+             "| time per run (s) |",
              "|---" * 11 + "|"]
     for row in by_row:
         per_seed = " / ".join(f"{x * 100:.1f}" for x in col(row, "dev_acc"))
