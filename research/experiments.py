@@ -703,7 +703,8 @@ def lab_table(runs, walls, seeds):
     for r in runs:
         by_row[(r["task"], r["attention"], r["num_global"], r["sar"])][r["seed"]] = r
     steps = {row[:4]: row[4] for row in LAB_ROWS}
-    col = lambda row, key: [by_row[row][s][key] / 100 for s in seeds if s in by_row[row]]
+    col = lambda row, key: [by_row[row][s][key] / 100 if by_row[row][s][key] is not None else None
+                            for s in seeds if s in by_row[row]]
     show = lambda xs: fmt(xs) if xs and None not in xs else "-"
     lines = ["| task | attention | global tokens | SAR alpha | steps | dev acc per seed (%) | dev acc (%) "
              "| shifted, mean over s (%) | shifted, worst s (%) | bound of the receptive field (%) "

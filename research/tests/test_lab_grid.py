@@ -61,3 +61,25 @@ def test_dry_run_prints_the_grid(tmp_path, capfd):
     experiments.main(["lab", "--dry-run", "--quick", "--seeds", "4", "--out", out])
     quick = commands(capfd)
     assert quick == [os.path.join(out, f"reach-{v}-s4") for v in ("dense-g0", "hst-g0", "sparse-g0", "sparse-g1")]
+
+
+def test_table_of_a_grid():
+    """lab.md from lab.json's runs: nulls where nothing was scored, the bound beside block-sparse without a global
+    token, and the targets' contrasts paired by seed."""
+    runs = []
+    for s, (hi, lo) in enumerate([(100.0, 60.0), (98.0, 64.0)]):
+        for task, attention, g, alpha, _ in experiments.LAB_ROWS:
+            shifted = task == "lab-boundary"
+            acc = lo if attention == "sparse" and task != "lab-boundary" else hi
+            runs.append({"task": task, "attention": attention, "num_global": g, "sar": alpha, "seed": s,
+                         "dev_acc": acc, "shifted_mean": (acc - 40 + 38 * alpha) if shifted else None,
+                         "shifted_worst": (acc - 45 + 40 * alpha) if shifted else None,
+                         "bound": 62.0 if attention == "sparse" and g == 0 else None})
+    walls = {row[:4]: [30.0, 32.0] for row in experiments.LAB_ROWS}
+    table = experiments.lab_table(runs, walls, [0, 1])
+    assert "| lab-reach | dense | 0 | 0 | 600 | 100.0 / 98.0 | 99.0 +- 1.4 | - | - | - | 31 |" in table
+    assert "| lab-reach | sparse | 0 | 0 | 600 | 60.0 / 64.0 | 62.0 +- 2.8 | - | - | 62.0 +- 0.0 | 31 |" in table
+    assert "| reach | hst - sparse (no global token) | +37.0 [" in table
+    assert "| reach | sparse - its bound | +0.0 [" in table
+    assert "| boundary | drop under shift (dev - shifted mean), SAR alpha 0 | +40.0 [+40.0, +40.0] |" in table
+    assert "| boundary | drop with SAR - drop without | -38.0 [-38.0, -38.0] |" in table
