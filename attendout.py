@@ -115,6 +115,10 @@ class AttendOut(nn.Module):
         self.kept = None
         # the real pairs of the same (no gradient); 1 - kept / pairs is the masking rate
         self.pairs = None
+        # the real query rows, and those whose every real key is masked (no gradient): their
+        # logits all drop by the same 10,000, so their softmax, and their output, stay unchanged
+        self.rows = None
+        self.full_rows = None
 
     # no Bernoulli dropout in either pass (the author's RoBERTa code)
     def rate(self, step_frac=0.0):
@@ -139,12 +143,22 @@ class AttendOut(nn.Module):
             heads = M.shape[1]
             kept = (M * valid).sum() / heads
             pairs = valid.sum() / heads
+            # the fully masked rows: a real query row (one valid key or more) with no key kept
+            with torch.no_grad():
+                real_row = valid.any(dim=-1)                                  # [B, heads, ..]
+                none_kept = (M * valid).sum(dim=-1) == 0
+                rows = real_row.sum() / heads
+                full_rows = (real_row & none_kept).sum() / heads
             if self.kept is None:
                 self.kept = kept
                 self.pairs = pairs
+                self.rows = rows
+                self.full_rows = full_rows
             else:
                 self.kept = self.kept + kept
                 self.pairs = self.pairs + pairs
+                self.rows = self.rows + rows
+                self.full_rows = self.full_rows + full_rows
             # S' = S - 10000 (1 - M): a masked pair leaves the softmax
             return S + ((M - 1) * MASKED).to(S.dtype)
 
@@ -155,6 +169,12 @@ class AttendOut(nn.Module):
         if self.pairs is None or self.pairs == 0:
             return math.nan
         return float(1 - self.kept.detach() / self.pairs)
+
+    # this layer's share of real query rows whose every real key is masked (nan: none ran)
+    def full_row_rate(self):
+        if self.rows is None or self.rows == 0:
+            return math.nan
+        return float(self.full_rows / self.rows)
 
     def extra_repr(self):
         return f"dim={self.gnet.dim}"
@@ -173,6 +193,8 @@ def begin_forward(model):
     for m in attendout_modules(model):
         m.kept = None
         m.pairs = None
+        m.rows = None
+        m.full_rows = None
 
 
 # The keep reward (methods.md §3.1): the loss gains tau^2 x (pairs kept per example, summed over
@@ -191,6 +213,10 @@ def mask_rates(model):
     return [m.mask_rate() for m in attendout_modules(model)]
 
 
+def full_row_rates(model):
+    return [m.full_row_rate() for m in attendout_modules(model)]
+
+
 # A copy of state_dict without the G-Nets (every key with a 'gnet' component): export drops them.
 def export_without_gnet(state_dict):
     return type(state_dict)((k, v) for k, v in state_dict.items() if GNET not in k.split("."))
@@ -202,7 +228,8 @@ def export_without_gnet(state_dict):
 # rates.
 
 class DropRateLogger:
-    """{"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m} lines."""
+    """{"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m, "full_rows": [..]}
+    lines."""
 
     def __init__(self, path, log_interval, append=False):
         self.path = path
@@ -211,9 +238,10 @@ class DropRateLogger:
         if not append:
             open(self.path, "w").close()
 
-    def log(self, step, step_frac, rates, last=False):
-        """rates: one float per layer; last: the final step, always written (a replay then ends at
-        the run's final rates). Returns True if a line was written."""
+    def log(self, step, step_frac, rates, full_rows=None, last=False):
+        """rates: one float per layer; full_rows: each layer's share of real query rows with every
+        real key masked; last: the final step, always written (a replay then ends at the run's
+        final rates). Returns True if a line was written."""
         if step % self.log_interval and not last:
             return False
         # the mean over the layers that ran (LayerDrop may skip some: nan)
@@ -224,6 +252,8 @@ class DropRateLogger:
             "drop_rate": [float(r) for r in rates],
             "mean": sum(ran) / max(len(ran), 1),
         }
+        if full_rows is not None:
+            rec["full_rows"] = [float(r) for r in full_rows]
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return True

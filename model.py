@@ -54,11 +54,11 @@ class Config:
     num_random: int = 0               # r: random key blocks per query block (BigBird: 3)
     # Attention dropout (methods.md §3): one of attendout.METHODS; attn_dropout_p, the standard
     # rate. AttendOut (methods.md §3.1): the keep reward's weight gnet_tau^2; the G-Nets' own peak
-    # learning rate gnet_lr (None: the backbone's, as the author's code; there the masks die).
+    # learning rate gnet_lr (None: the backbone's, with its warmup and decay, as the author's code).
     attn_dropout: str = "standard"
     attn_dropout_p: float = 0.1
     gnet_tau: float = 0.5
-    gnet_lr: float | None = 1e-5
+    gnet_lr: float | None = None
     schedule: str = ""                # methods.md §3.2: droprates.jsonl or "linear:P_LOW:P_HIGH"
     # LayerDrop skips a whole layer, Attn.LayerDrop only its attention (methods.md §3.3, training).
     layerdrop: float = 0.0

@@ -35,6 +35,7 @@ DEMO = {"task": "listops", "init": "scratch",
         "lr": 1e-3, "epochs": 10, "eval_every": 200,           # peak lr; evaluate every 200 steps
         "attention": "hst", "block_size": 8,                   # Config: dense, blocks of 64
         "attn_dropout": "attendout",                           # Config: standard
+        "gnet_lr": 1e-5,                                       # Config: None (the backbone's lr)
         "sar": 1.0}                                            # SAR's alpha (0: off)
 # The flags that are model.Config fields (None: Config's default, with --init the checkpoint's).
 # With --init, FINETUNE replaces DEMO for the flags not given: the usual GLUE recipe, no SAR.
@@ -421,7 +422,8 @@ def train(r):
             state["step"] = step
             log_step(r, step, numbers, meter)
             if rates_log is not None:                    # each layer's masking rate (§3.1)
-                rates_log.log(step, step / r.total, numbers["mask"], last=step == r.total)
+                rates_log.log(step, step / r.total, numbers["mask"], numbers["full_rows"],
+                              last=step == r.total)
             evaluate_now = step % args.eval_every == 0 if args.eval_every else epoch_done
             if evaluate_now or step == r.total:
                 if is_main():
@@ -522,6 +524,7 @@ def classify_loss(model, batch, args, task, tok):
         parts["mask_consistency"] = mask_consistency.item()
         parts["kept"] = kept.item()
         parts["mask"] = attendout.mask_rates(raw)        # one rate per layer
+        parts["full_rows"] = attendout.full_row_rates(raw)   # rows with every key masked
     return loss, parts
 
 def task_loss(logits, labels, regression=False):         # methods.md §1

@@ -21,6 +21,7 @@ How to run it (from the repository root; add --dry-run to a grid to print its co
     python research/experiments.py listops-long-probe --variants hst sparse hst+sar
     python research/experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA
     python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2 3 4
+    python research/experiments.py gnet-lr --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2
 ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each with
 train.tsv and dev.tsv as label<TAB>sentence.
 """
@@ -742,10 +743,66 @@ def lab_table(runs, walls, seeds):
 
 
 # -----------------------------------------------------------------------------
+# The G-Nets' learning rate at the author's setting (issue 37): MiniLM at --lr 2e-5, 6% warmup, the G-Nets at the
+# backbone's rate (Config.gnet_lr None, the default) against their own 1e-5 and against standard dropout
+
+GNET_LR_ROWS = {            # the baseline first
+    "standard": ["--attn-dropout", "standard"],
+    "attendout": ["--attn-dropout", "attendout"],                       # the author's rule: --lr's rate
+    "attendout_gnet_lr_1e-5": ["--attn-dropout", "attendout", "--gnet-lr", "1e-5"],
+}
+GNET_LR_FLAGS = ["--lr", "2e-5", "--warmup", "0.06"]
+
+
+def rates_over_training(folder, key, points=(0.1, 0.25, 0.5, 1.0)):
+    """A run's droprates.jsonl: each layer's `key` ("drop_rate" or "full_rows") at the first line at or past each
+    fraction of training, and the largest over the run."""
+    log = read_jsonl(os.path.join(folder, "droprates.jsonl"))
+    at = {p: next(rec[key] for rec in log if rec["step_frac"] >= p - 1e-9) for p in points}
+    largest = [max(rec[key][l] for rec in log) for l in range(len(log[0][key]))]
+    return at, largest
+
+
+def gnet_lr(a):
+    """Dev accuracy of the three rows, paired to standard and to each other; the per-layer masking rates over
+    training (mean over seeds); the share of real query rows whose every real key is masked (largest over the run)."""
+    finals, dirs = pretrained_runs(a, GNET_LR_ROWS, GNET_LR_FLAGS)
+    if a.dry_run:
+        return
+    raw, table = collections.defaultdict(dict), []
+    table += ["| data | row | dev acc (%) | per seed | paired diff to standard, 95% CI (points) |", "|---|---|---|---|---|"]
+    for (ds, setting, name), fs in finals.items():
+        acc = raw[ds][name] = [dev_acc(f) for f in fs]
+        table.append(f"| {ds} | {name} | {fmt(acc)} | {' / '.join(f'{x * 100:.1f}' for x in acc)} "
+                     f"| {fmt_diff(raw[ds]['standard'], acc)} |")
+    table += ["", "| data | contrast | paired diff, 95% CI (points) |", "|---|---|---|"]
+    for ds, r in raw.items():
+        if "attendout" in r and "attendout_gnet_lr_1e-5" in r:
+            table.append(f"| {ds} | attendout (author's rule) - attendout_gnet_lr_1e-5 "
+                         f"| {fmt_diff(r['attendout_gnet_lr_1e-5'], r['attendout'])} |")
+    table += ["", "| data | row | masking rate per layer at 10% / 25% / 50% / 100% of training (mean over seeds) "
+              "| fully masked rows, largest share over the run, per layer (max over seeds) |", "|---|---|---|---|"]
+    rates = {}
+    for (ds, setting, name), ds_dirs in dirs.items():
+        if not name.startswith("attendout"):
+            continue
+        drop = [rates_over_training(d, "drop_rate") for d in ds_dirs]
+        full = [rates_over_training(d, "full_rows")[1] for d in ds_dirs]
+        mean = {p: [statistics.mean(x[0][p][l] for x in drop) for l in range(len(drop[0][1]))] for p in drop[0][0]}
+        worst = [max(f[l] for f in full) for l in range(len(full[0]))]
+        rates[f"{ds}-{name}"] = {"drop_rate": {str(p): v for p, v in mean.items()}, "full_rows_max": worst}
+        shown = " / ".join(" ".join(f"{x:.2f}" for x in v) for v in mean.values())
+        table.append(f"| {ds} | {name} | {shown} | {' '.join(f'{x:.3f}' for x in worst)} |")
+    note = pretrained_note(a, "At the author's setting: --lr 2e-5, 6% warmup (train.py's default). ")
+    write_table(a, "results_gnet_lr" + settings_suffix(a), table, note, {"acc": raw, "rates": rates})
+
+
+# -----------------------------------------------------------------------------
 # The command line
 
 EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-long-probe": listops_long_probe,
-               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout, "lab": lab}
+               "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout, "lab": lab,
+               "gnet-lr": gnet_lr}
 
 
 def main(argv=None):
@@ -778,7 +835,7 @@ def main(argv=None):
         fail("--candidates: only for listops-long")
     if a.quick and a.experiment != "lab":
         fail("--quick: only for lab")
-    if a.experiment.startswith("pretrained"):
+    if a.experiment.startswith("pretrained") or a.experiment == "gnet-lr":
         if a.init is None:
             fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
         if not os.path.exists(a.init):
