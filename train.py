@@ -197,15 +197,19 @@ def setup(args):
     if os.path.isfile(args.out) or (taken and not (args.resume or args.overwrite)):
         fail(f"--out {args.out} holds another run (or is a file); pass --resume to continue it "
              "or --overwrite")
+    r.fallbacks = fall_back(args)                        # the demo's defaults a task cannot use
     start = read_start(args)                             # None: from scratch
     torch.manual_seed(args.seed)                         # the same initial weights for each method
-    # The data: --data, or for ListOps without it the demo's set, generated once; the tokenizer;
+    # The data: --data, or without it ListOps' demo set or a lab task's (data/TASK), generated once
+    # (data.write_listops, data.load_lab); the tokenizer;
     # the examples, cut to --max-len tokens (by default the task's length, at most what the model's
     # position table holds; from scratch the table fits it).
-    if args.data is None and args.task != "listops":
+    generated = args.task == "listops" or args.task.startswith("lab-")  # made here without --data
+    if args.data is None and not generated:
         fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
-    folder = args.data or os.path.join("data", "listops-demo")
-    if args.data is None and is_main() and not os.path.exists(f"{folder}/basic_val.tsv"):
+    folder = args.data or os.path.join("data", "listops-demo" if args.task == "listops" else args.task)
+    if args.task == "listops" and args.data is None and is_main() and \
+            not os.path.exists(f"{folder}/basic_val.tsv"):
         print(f"generating a small ListOps set in {folder}", flush=True)
         data.write_listops(folder, 6000, 500, 500, min_len=10, max_len=60, seed=0, max_depth=3,
                            max_args=4)
@@ -265,6 +269,22 @@ def setup(args):
     if is_main():
         print(opening_line(r), flush=True)
     return r
+
+# The demo's defaults that a task cannot use, when not given, fall back (the opening line says so):
+# AttendOut compares two predictions of a class or a value, so masked LM and extractive QA train
+# with standard attention dropout; masked LM has no prediction for SAR to compare either.
+def fall_back(args):
+    objective = data.TASKS[args.task].objective
+    notes = []
+    if objective in ("mlm", "span") and args.attn_dropout == "attendout" and \
+            "attn_dropout" not in args.given:
+        args.attn_dropout = "standard"
+        notes.append(f"the default AttendOut falls back to standard attention dropout: it "
+                     f"compares class or value predictions, not {args.task}'s")
+    if objective == "mlm" and args.sar > 0 and "sar" not in args.given:
+        args.sar = 0.0
+        notes.append("the default SAR is off: it compares predictions, and masked LM has none")
+    return notes
 
 def columns(args):                                       # where a task's files and columns are
     names = ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")
@@ -396,7 +416,7 @@ def opening_line(r):                                     # task | model | method
     where += f"; resuming at step {r.state['step']}" if args.resume else ""
     return (f"task {args.task}: {len(r.task.train)} train / {dev or 'no dev'} examples | model "
             f"{r.raw.num_params() / 1e6:.2f}M parameters ({cfg.num_layers} layers, hidden "
-            f"{cfg.hidden_size}, {origin}) | {', '.join(methods)} | {where}")
+            f"{cfg.hidden_size}, {origin}) | {', '.join(methods + r.fallbacks)} | {where}")
 
 # -----------------------------------------------------------------------------------------------
 # 3. The loop: steps until the last (r.total) or a stop (Ctrl-C, SIGTERM; under torchrun all stop
@@ -473,7 +493,7 @@ def train_step(r, batches, step, meter):
         with nullcontext() if sync else r.model.no_sync(), data.autocast(r.device):
             loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)     # section 5
         (loss / args.grad_accum).backward()              # the gradients add up
-        loss_sum += loss.item() / args.grad_accum
+        loss_sum += parts.get("loss", loss.item()) / args.grad_accum     # the backbone's loss
     state["micro"] += args.grad_accum
     epoch_done = state["micro"] + args.grad_accum > len(batches)     # no full step left in it
     if epoch_done:
@@ -483,7 +503,7 @@ def train_step(r, batches, step, meter):
     stop_if_not_finite(r, step, loss_sum, norms, factor * args.lr)
     r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets
     r.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum, "lr": factor * args.lr, **norms, **parts}, epoch_done
+    return {**parts, "loss": loss_sum, "lr": factor * args.lr, **norms}, epoch_done
 
 # -----------------------------------------------------------------------------------------------
 # 5. The loss (methods.md §1, §2.3, §3.1): all that a classification or regression step optimises:
@@ -491,11 +511,13 @@ def train_step(r, batches, step, meter):
 #       + alpha x consistency(z_original, z_second)    SAR (--sar alpha): the topology shifted,
 #                                                      or R-Drop (--rdrop alpha): a 2nd dropout
 #       + consistency(z_original, z_masked)            AttendOut: the G-Nets' masked pass
-#       + tau^2 x kept                                 AttendOut's keep reward (--gnet-tau): the
+#     keep = tau^2 x kept                              AttendOut's keep reward (--gnet-tau): the
 #                                                      pairs kept per example, all layers
 # consistency: the symmetric KL of two predictions (a regression's squared difference). The views
-# run as one stacked batch [original; second; masked] (sar.stacked_views). The backbone descends L;
-# the G-Nets, through their reversed mask, climb the last two terms. parts: the terms, for the log.
+# run as one stacked batch [original; second; masked] (sar.stacked_views). One backward runs
+# through L + keep: the backbone descends L (keep does not depend on it); the G-Nets, through their
+# reversed mask, climb AttendOut's consistency and the keep reward, which pulls them to keep
+# pairs. parts: the terms for the log, "loss" being L, the backbone's loss, and "keep" the reward.
 def classify_loss(model, batch, args, task, tok):
     batch = as_rows(batch)
     raw = getattr(model, "module", model)                # the Model itself, also under DDP
@@ -517,15 +539,21 @@ def classify_loss(model, batch, args, task, tok):
         consistency = sar.consistency(z[0], z[1], task.is_regression)
         loss = loss + alpha * consistency
         parts["consistency"] = consistency.item()
-    if masked:                                           # AttendOut (methods.md §3.1)
-        mask_consistency = sar.consistency(z[0], z[-1], task.is_regression)
-        kept = attendout.keep_reward(raw, z[0].size(0))
-        loss = loss + mask_consistency + raw.cfg.gnet_tau ** 2 * kept
-        parts["mask_consistency"] = mask_consistency.item()
-        parts["kept"] = kept.item()
-        parts["mask"] = attendout.mask_rates(raw)        # one rate per layer
-        parts["full_rows"] = attendout.full_row_rates(raw)   # rows with every key masked
-    return loss, parts
+    if not masked:
+        parts["loss"] = loss.item()
+        return loss, parts
+    # AttendOut (methods.md §3.1): its consistency is the backbone's; the keep reward the G-Nets'
+    mask_consistency = sar.consistency(z[0], z[-1], task.is_regression)
+    loss = loss + mask_consistency
+    kept = attendout.keep_reward(raw, z[0].size(0))
+    keep = raw.cfg.gnet_tau ** 2 * kept
+    parts["mask_consistency"] = mask_consistency.item()
+    parts["loss"] = loss.item()
+    parts["kept"] = kept.item()
+    parts["keep"] = keep.item()
+    parts["mask"] = attendout.mask_rates(raw)            # one rate per layer
+    parts["full_rows"] = attendout.full_row_rates(raw)   # rows with every key masked
+    return loss + keep, parts
 
 def task_loss(logits, labels, regression=False):         # methods.md §1
     if regression:
@@ -566,14 +594,15 @@ def log_step(r, step, numbers, meter):
         name = "SAR" if r.args.sar > 0 else "R-Drop"
         alpha = r.args.sar if r.args.sar > 0 else r.args.rdrop
         terms.append(f"{alpha:g} x {name} consistency {numbers['consistency']:.4f}")
-    if "mask_consistency" in numbers:                    # + consistency + tau^2 x kept
+    if "mask_consistency" in numbers:                    # + AttendOut's consistency
         terms.append(f"AttendOut consistency {numbers['mask_consistency']:.4f}")
-        terms.append(f"{r.raw.cfg.gnet_tau ** 2:g} x kept pairs {numbers['kept']:.0f}")
     shown = f"loss {numbers['loss']:.4f}"
     if terms:
         shown += " = " + " + ".join(terms)
-    if "mask" in numbers:
-        shown += ", mask rates " + " ".join(f"{m:.2f}" for m in numbers["mask"])
+    if "keep" in numbers:                                # the G-Nets' part: keep reward, rates
+        shown += (f" | G-Nets: keep reward {numbers['keep']:.2f} = {r.raw.cfg.gnet_tau ** 2:g} x "
+                  f"kept pairs {numbers['kept']:.1f}, mask rates ")
+        shown += " ".join(f"{m:.2f}" for m in numbers["mask"])
     print(f"step {step}/{r.total}: {shown}, lr {numbers['lr']:.2e}, {rate:.0f} examples/s",
           flush=True)
 
@@ -688,32 +717,39 @@ def report(r):
     print(line + f"; results in {r.paths['final.json']}")
 
 # -----------------------------------------------------------------------------------------------
-# 7. The optimizer (nanoGPT's recipe): AdamW (betas 0.9, 0.98, eps 1e-6, RoBERTa's) in three
-# groups: weight matrices and embeddings (decayed), biases and LayerNorms (not), and the G-Nets
-# (not decayed, at their own peak rate --gnet-lr, 1e-5 by default; methods.md §3.1); "base_lr":
-# a group's peak. The backbone's gradient is clipped to norm --clip; the G-Nets' reversed gradient
-# (10,000 times a logit's, through the mask) is not, as in the author's code.
+# 7. The optimizer (nanoGPT's recipe): AdamW (betas 0.9, 0.98, eps 1e-6, RoBERTa's) in groups
+# found by their "name": "decay" (weight matrices and embeddings), "no_decay" (biases and
+# LayerNorms) and "gnet" (the G-Nets: not decayed, at their peak rate --gnet-lr, by default --lr's,
+# as in the author's code; methods.md §3.1); "base_lr": a group's peak. The backbone's gradient
+# (every group but "gnet") is clipped to norm --clip; the G-Nets' reversed gradient (10,000 times
+# a logit's, through the mask) is not, as in the author's code. A new group (layer-wise decay, say)
+# needs only a name of its own: it is clipped with the backbone.
+GNET_GROUP = "gnet"                                      # the G-Nets' parameter group
+
 def make_optimizer(model, args, device):
-    groups = [{"params": [], "weight_decay": args.weight_decay, "base_lr": args.lr},
-              {"params": [], "weight_decay": 0.0, "base_lr": args.lr},
-              {"params": [], "weight_decay": 0.0, "base_lr": gnet_peak_lr(model.cfg, args)}]
+    gnet_lr = gnet_peak_lr(model.cfg, args)
+    groups = {"decay": {"params": [], "weight_decay": args.weight_decay, "base_lr": args.lr},
+              "no_decay": {"params": [], "weight_decay": 0.0, "base_lr": args.lr},
+              GNET_GROUP: {"params": [], "weight_decay": 0.0, "base_lr": gnet_lr}}
     for name, p in model.named_parameters():
-        which = 0 if p.dim() >= 2 else 1                 # matrices, embeddings: decayed
-        which = 2 if attendout.GNET in name.split(".") else which
+        which = "decay" if p.dim() >= 2 else "no_decay"  # matrices, embeddings: decayed
+        which = GNET_GROUP if attendout.GNET in name.split(".") else which
         if p.requires_grad:                              # not the frozen MLM head
             groups[which]["params"].append(p)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.98),
-                             eps=1e-6, fused=device.type == "cuda")
+    groups = [{"name": name, **g} for name, g in groups.items() if g["params"]]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6,
+                             fused=device.type == "cuda")
 
 def gnet_peak_lr(cfg, args):                     # --gnet-lr (None: --lr's, the author's rule)
     return args.lr if cfg.gnet_lr is None else cfg.gnet_lr
 
 def clip_gradients(optimizer, max_norm):                 # both norms, before clipping
-    groups = [g["params"] for g in optimizer.param_groups]
+    backbone = [p for g in optimizer.param_groups if g["name"] != GNET_GROUP for p in g["params"]]
+    gnets = [p for g in optimizer.param_groups if g["name"] == GNET_GROUP for p in g["params"]]
     clip = torch.nn.utils.clip_grad_norm_
-    norms = {"grad_norm": float(clip(groups[0] + groups[1], max_norm or math.inf))}
-    if len(groups) > 2:
-        norms["gnet_grad_norm"] = float(clip(groups[2], math.inf))      # measured, not clipped
+    norms = {"grad_norm": float(clip(backbone, max_norm or math.inf))}
+    if gnets:
+        norms["gnet_grad_norm"] = float(clip(gnets, math.inf))          # measured, not clipped
     return norms
 
 # A non-finite loss or gradient stops the run at once, in every process, before AdamW's step.

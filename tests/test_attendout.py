@@ -407,16 +407,19 @@ def test_every_method_starts_from_the_same_weights(listops_dir, tmp_path):
 
 
 def test_gnet_lr_none_is_the_backbone_lr(listops_dir, tmp_path):
-    # Config.gnet_lr None (the author's code: one learning rate): the G-Nets learn at --lr
+    # Config.gnet_lr None, the default (the author's code: one learning rate): the G-Nets learn at --lr
     args = train_args("--data", listops_dir, "--out", str(tmp_path), *TINY, "--attn-dropout", "attendout",
                       "--lr", "3e-4")
     r = train.setup(args)
     r.raw.cfg.gnet_lr = None
     groups = train.make_optimizer(r.raw, args, r.device).param_groups
-    assert [g["base_lr"] for g in groups] == [3e-4, 3e-4, 3e-4]
+    assert [(g["name"], g["base_lr"]) for g in groups] == [("decay", 3e-4), ("no_decay", 3e-4), ("gnet", 3e-4)]
+    assert M.Config().gnet_lr is None
     args = train_args("--data", listops_dir, "--out", str(tmp_path / "b"), *TINY, "--attn-dropout",
-                      "attendout", "--lr", "3e-4", "--gnet-lr", "1e-5")
-    assert train.setup(args).optimizer.param_groups[2]["base_lr"] == 1e-5
+                      "attendout", "--lr", "3e-4", "--gnet-lr", "2e-5")
+    gnet = [g for g in train.setup(args).optimizer.param_groups if g["name"] == "gnet"]
+    assert [g["base_lr"] for g in gnet] == [2e-5]
     args = train_args("--data", listops_dir, "--out", str(tmp_path / "c"), *TINY, "--attn-dropout",
-                      "attendout", "--lr", "3e-4")
-    assert train.setup(args).optimizer.param_groups[2]["base_lr"] == M.Config().gnet_lr == 1e-5
+                      "attendout", "--lr", "3e-4")                  # the demo's own setting: DEMO's 1e-5
+    gnet = [g for g in train.setup(args).optimizer.param_groups if g["name"] == "gnet"]
+    assert [g["base_lr"] for g in gnet] == [train.DEMO["gnet_lr"]] == [1e-5]

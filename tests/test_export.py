@@ -108,6 +108,12 @@ def finetuned(request, tmp_path_factory):
     return family, ckpt, tmp / "hf-out"
 
 
+def test_finetuned_gnets_learn_at_the_backbone_rate(finetuned):
+    """With --init and no --gnet-lr the G-Nets take --lr's peak (Config.gnet_lr None, the author's rule)."""
+    final = json.loads((finetuned[1].parent / "final.json").read_text())
+    assert final["config"]["gnet_lr"] == final["args"]["lr"] == 1e-3
+
+
 def test_transformers_loads_it_without_missing_or_unexpected_weights(finetuned):
     family, ckpt, out = finetuned
     tokenizer_files = data.tokenizer_from_path(str(ckpt)).files

@@ -242,6 +242,22 @@ def test_squad_trains_end_to_end(attention, tmp_path, capfd):
     assert (len(task.dev["dev"]) > 8) == (attention == "dense")                # windows only where the text is long
 
 
+def test_squad_runs_with_the_defaults(tmp_path, capfd):
+    """python train.py --task squad --data DIR: the demo's AttendOut falls back to standard attention dropout (the
+    opening line says so) and SAR stays; --attn-dropout attendout given is still one error line."""
+    folder = write_squad_dir(str(tmp_path / "squad"))
+    argv = ["--task", "squad", "--data", folder, "--max-steps", "2", "--batch-size", "4", "--vocab-size", "60"]
+    code, out, err = run_main([*argv, "--out", str(tmp_path / "a")], capfd)
+    assert code == 0, err
+    opening = out.splitlines()[0]
+    assert "| hst attention, attention dropout 0.1, SAR alpha 1 shift 1, the default AttendOut falls back to " \
+           "standard attention dropout: it compares class or value predictions, not squad's |" in opening, opening
+    final = json.load(open(tmp_path / "a" / "final.json"))
+    assert final["config"]["attn_dropout"] == "standard" and final["args"]["sar"] == 1.0
+    code, _, err = run_main([*argv, "--out", str(tmp_path / "b"), "--attn-dropout", "attendout"], capfd)
+    assert code == 2 and len(err) == 1 and "--attn-dropout attendout needs a classification" in err[0]
+
+
 def test_eval_shift_all_on_spans(tmp_path, capfd):
     """QA's span head under every shift s = 1 .. 7 (the span logits put back on the original tokens, sar.unshift)."""
     folder = write_squad_dir(str(tmp_path / "squad"))

@@ -211,7 +211,7 @@ def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
     assert final["acc"] > final["majority_baseline"] + 0.2    # beats always-the-majority
     # every setting as it was in force: the G-Nets' rate (the demo's), the flags left to Config recorded
     # with Config's values
-    assert final["config"]["gnet_lr"] == 1e-5 and final["args"]["lr"] == 3e-3          # Config's
+    assert final["config"]["gnet_lr"] == 1e-5 and final["args"]["lr"] == 3e-3          # DEMO's
     assert all(final["args"][k] == final["config"][k] for k in train.CONFIG_FLAGS)
     assert final["args"]["window"] == 1 and final["args"]["hidden_dropout_p"] == 0.0      # not given: Config's
     for name in ("ckpt_best.pt", "ckpt_last.pt"):
@@ -325,8 +325,56 @@ def test_gnet_tau_flag_reaches_the_optimised_loss(listops_dir, tmp_path):
     half, one = step["0.5"], step["1"]
     assert (half["ce"], half["mask_consistency"], half["kept"]) == (one["ce"], one["mask_consistency"], one["kept"])
     assert half["kept"] > 0 and len(half["mask"]) == 1                         # one rate per layer
-    assert half["loss"] == pytest.approx(half["ce"] + half["mask_consistency"] + 0.25 * half["kept"], rel=1e-6)
-    assert one["loss"] - half["loss"] == pytest.approx(0.75 * half["kept"], rel=1e-4)
+    # the backbone's loss leaves the keep reward out; the reward, the G-Nets' objective, is logged apart
+    assert half["loss"] == pytest.approx(half["ce"] + half["mask_consistency"], rel=1e-6)
+    assert one["loss"] == half["loss"]
+    assert half["keep"] == pytest.approx(0.25 * half["kept"], rel=1e-6)
+    assert one["keep"] - half["keep"] == pytest.approx(0.75 * half["kept"], rel=1e-4)
+    assert one["gnet_grad_norm"] != half["gnet_grad_norm"]              # tau reaches the optimised loss
+
+
+def test_step_line_adds_up(listops_dir, tmp_path, capsys):
+    """Each step line's loss is the sum of its printed terms (the backbone's loss, within rounding), the G-Nets'
+    keep reward comes after it on its own, and log.jsonl keeps the two apart."""
+    train.main(["--data", listops_dir, "--out", str(tmp_path), "--max-steps", "10", "--log-every", "2",
+                "--eval-every", "0", *TINY, "--attention", "hst", "--block-size", "4", "--attn-dropout", "attendout",
+                "--sar", "1"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if re.match(r"step \d+/", x)]
+    assert len(lines) == 5
+    for line in lines:
+        m = re.match(r"step \d+/10: loss (\S+) = (.*) \| G-Nets: keep reward (\S+) = 0\.25 x kept pairs (\S+), "
+                     r"mask rates [\d. ]+, lr", line)
+        assert m, line
+        terms = [float(t.split()[-1]) for t in m.group(2).split(" + ")]
+        assert len(terms) == 3 and float(m.group(1)) == pytest.approx(sum(terms), abs=2e-3), line
+        assert float(m.group(3)) == pytest.approx(0.25 * float(m.group(4)), abs=0.05), line
+    log = [r for r in read_log(tmp_path) if "loss" in r]
+    assert all(r["loss"] < 10 and r["keep"] == pytest.approx(0.25 * r["kept"]) for r in log)
+
+
+def test_parameter_groups_found_by_name(listops_dir, tmp_path):
+    """A group added beside the three (as layer-wise decay would) is clipped with the backbone; the G-Nets' group
+    is found by its name, measured and never clipped; the step still runs and logs both norms."""
+    args = train_args("--data", listops_dir, "--out", str(tmp_path), *TINY, "--attn-dropout", "attendout",
+                      "--clip", "1.0")
+    r = train.setup(args)
+    decay = next(g for g in r.optimizer.param_groups if g["name"] == "decay")
+    layer0 = [p for n, p in r.raw.named_parameters() if ".0." in n and any(p is q for q in decay["params"])]
+    groups = [{**g, "params": [p for p in g["params"] if not any(p is q for q in layer0)]}
+              for g in r.optimizer.param_groups]
+    groups.insert(0, {"name": "layer_0", "params": layer0, "weight_decay": 0.01, "base_lr": 1e-4})
+    r.optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    for p in r.raw.parameters():
+        p.grad = torch.ones_like(p)
+    train.clip_gradients(r.optimizer, 1.0)
+    backbone = [p for g in r.optimizer.param_groups if g["name"] != "gnet" for p in g["params"]]
+    gnets = [p for g in r.optimizer.param_groups if g["name"] == "gnet" for p in g["params"]]
+    assert layer0 and gnets
+    assert torch.stack([p.grad.norm() for p in backbone]).norm() == pytest.approx(1.0, rel=1e-4)
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in gnets)      # not clipped
+    r.optimizer.zero_grad()
+    numbers, _ = train.train_step(r, train.epoch_batches(r, 0), 1, {"seen": 0})
+    assert numbers["grad_norm"] > 0 and numbers["gnet_grad_norm"] > 0
 
 
 def test_flags_exist():
