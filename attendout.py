@@ -197,9 +197,10 @@ def begin_forward(model):
         m.full_rows = None
 
 
-# The keep reward (methods.md §3.1): the loss gains tau^2 x (pairs kept per example, summed over
-# layers). The model cannot change it; through the reversed mask the G-Net climbs it, so every kept
-# pair pays it tau^2. Without it the G-Net's best move would be to mask everything.
+# The keep reward (methods.md §3.1): tau^2 x (pairs kept per example, summed over layers). The keep
+# reward is the G-Nets' objective alone: they climb it, so it pulls them towards keeping pairs,
+# against AttendOut's consistency, which pulls them towards masking. The backbone cannot change it.
+# Without it the G-Net's best move would be to mask everything.
 
 def keep_reward(model, batch_size):
     """sum_l (pairs kept in layer l) / batch_size: differentiable, reaches the G-Nets only."""

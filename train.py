@@ -515,9 +515,10 @@ def train_step(r, batches, step, meter):
 #                                                      pairs kept per example, all layers
 # consistency: the symmetric KL of two predictions (a regression's squared difference). The views
 # run as one stacked batch [original; second; masked] (sar.stacked_views). One backward runs
-# through L + keep: the backbone descends L (keep does not depend on it); the G-Nets, through their
-# reversed mask, climb AttendOut's consistency and the keep reward, which pulls them to keep
-# pairs. parts: the terms for the log, "loss" being L, the backbone's loss, and "keep" the reward.
+# through L + keep: the backbone descends L (keep does not depend on it). The keep reward is the
+# G-Nets' objective alone: they climb it, so it pulls them towards keeping pairs, against
+# AttendOut's consistency, which pulls them towards masking (their reversed mask climbs both).
+# parts: the terms for the log, "loss" being L, the backbone's loss, and "keep" the reward.
 def classify_loss(model, batch, args, task, tok):
     batch = as_rows(batch)
     raw = getattr(model, "module", model)                # the Model itself, also under DDP
@@ -577,10 +578,12 @@ def objective(task_name):
 # -----------------------------------------------------------------------------------------------
 # 6. The step line, evaluation and final.json. Every --log-every steps (and the last) log.jsonl
 # gets the step's numbers and the step line the loss's terms. The demo's first (--max-steps 4):
-#     step 1/4: loss 59.3665 = ce 2.2948 + 1 x SAR consistency 0.0007 + AttendOut consistency
-#     0.0007 + 0.25 x kept pairs 228, mask rates 0.41 0.29, lr 1.00e-03, 148 examples/s
-# kept pairs: the (query, key) pairs the G-Nets kept per example, all layers; mask rates: each
-# layer's share of the real pairs masked in this step, layer 1 first.
+#     step 1/4: loss 2.2962 = ce 2.2948 + 1 x SAR consistency 0.0007 + AttendOut consistency
+#     0.0007 | G-Nets: keep reward 57.07 = 0.25 x kept pairs 228.3, mask rates 0.41 0.29, lr
+#     1.00e-03, 97 examples/s
+# loss: what the backbone descends, its terms adding up to it; after the bar the G-Nets' part: the
+# keep reward (tau^2 x the (query, key) pairs kept per example, all layers), and each layer's
+# share of the real pairs masked in this step, layer 1 first (log.jsonl: "loss" and "keep").
 def log_step(r, step, numbers, meter):
     if not is_main() or (step % r.args.log_every and step != r.total):
         return
