@@ -109,10 +109,12 @@ def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, mask_fn=None):
     def pair_scores(a, c):
         return a @ c.transpose(-1, -2)                                            # G = a c^T
 
-    S = mask_fn(S, real_pairs, pair_scores)                                       # S'
     if key_mask is not None and getattr(mask_fn, "full_rows", None) == "padding":
-        S = S - MASKED * (~key_mask[:, None, None, :]).to(S.dtype)                # the author's
-    elif key_mask is not None:
+        # the author's: every padding key sits at S - 10000, as a masked pair does
+        pad = ~key_mask[:, None, None, :]
+        return torch.where(pad, S - MASKED, mask_fn(S, real_pairs, pair_scores)).softmax(-1) @ v
+    S = mask_fn(S, real_pairs, pair_scores)                                       # S'
+    if key_mask is not None:
         S = S.masked_fill(~key_mask[:, None, None, :], torch.finfo(S.dtype).min)
     return S.softmax(dim=-1) @ v                                                  # [B, H, L, d_h]
 
