@@ -766,9 +766,15 @@ def rates_over_training(folder, key, points=(0.1, 0.25, 0.5, 1.0)):
     return at, largest
 
 
+def mean_logged(folder, key):
+    """The mean of `key` over a run's log.jsonl step lines."""
+    return statistics.mean(rec[key] for rec in read_jsonl(os.path.join(folder, "log.jsonl")) if key in rec)
+
+
 def gnet_lr(a):
-    """Dev accuracy of the three rows, paired to standard and to each other; the per-layer masking rates over
-    training (mean over seeds); the share of real query rows whose every real key is masked (largest over the run)."""
+    """Dev accuracy of the rows, paired to standard and to each other; the per-layer masking rates over training
+    (mean over seeds); the share of real query rows whose every real key is masked (largest over the run); the
+    masked pass's consistency term (how far the masks move the prediction)."""
     finals, dirs = pretrained_runs(a, GNET_LR_ROWS, GNET_LR_FLAGS)
     if a.dry_run:
         return
@@ -788,7 +794,8 @@ def gnet_lr(a):
                 table.append(f"| {ds} | {name} - attendout (fully masked rows unchanged) "
                              f"| {fmt_diff(r['attendout'], r[name])} |")
     table += ["", "| data | row | masking rate per layer at 10% / 25% / 50% / 100% of training (mean over seeds) "
-              "| fully masked rows, largest share over the run, per layer (max over seeds) |", "|---|---|---|---|"]
+              "| fully masked rows, largest share over the run, per layer (max over seeds) "
+              "| masked-pass consistency, mean over the logged steps (mean over seeds) |", "|---|---|---|---|---|"]
     rates = {}
     for (ds, setting, name), ds_dirs in dirs.items():
         if not name.startswith("attendout"):
@@ -797,9 +804,12 @@ def gnet_lr(a):
         full = [rates_over_training(d, "full_rows")[1] for d in ds_dirs]
         mean = {p: [statistics.mean(x[0][p][l] for x in drop) for l in range(len(drop[0][1]))] for p in drop[0][0]}
         worst = [max(f[l] for f in full) for l in range(len(full[0]))]
-        rates[f"{ds}-{name}"] = {"drop_rate": {str(p): v for p, v in mean.items()}, "full_rows_max": worst}
+        # what the masks do to the quantity they change: the KL between the clean and the masked pass
+        consistency = statistics.mean(mean_logged(d, "mask_consistency") for d in ds_dirs)
+        rates[f"{ds}-{name}"] = {"drop_rate": {str(p): v for p, v in mean.items()}, "full_rows_max": worst,
+                                 "mask_consistency": consistency}
         shown = " / ".join(" ".join(f"{x:.2f}" for x in v) for v in mean.values())
-        table.append(f"| {ds} | {name} | {shown} | {' '.join(f'{x:.3f}' for x in worst)} |")
+        table.append(f"| {ds} | {name} | {shown} | {' '.join(f'{x:.3f}' for x in worst)} | {consistency:.5f} |")
     note = pretrained_note(a, "At the author's setting: --lr 2e-5, 6% warmup (train.py's default). ")
     write_table(a, "results_gnet_lr" + settings_suffix(a), table, note, {"acc": raw, "rates": rates})
 
