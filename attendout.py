@@ -34,11 +34,6 @@ METHODS = {
 # l's own, seeded (run seed + GNET_SEED (l + 1)).
 GNET = "gnet"
 MASKED = 10000.0
-# What a query row whose every real key is masked attends to (--gnet-full-rows, methods.md §3.1):
-# unchanged (S - 10000 everywhere: the softmax ignores the shift), padding (the author's code: the
-# padding keys also sit at S - 10000, so the row spreads over them; dense attention only), or
-# uniform (a masked logit is replaced by -10000: the row attends evenly to its real keys).
-FULL_ROWS = ("unchanged", "padding", "uniform")
 GNET_INIT_STD = 0.02
 GNET_SEED = 1_000_033
 
@@ -116,7 +111,6 @@ class AttendOut(nn.Module):
         # the run's seed, per layer (methods.md §3.4)
         seed = (torch.initial_seed() + GNET_SEED * (layer_idx + 1)) % 2 ** 63
         self.gnet = GNet(cfg.hidden_size, seed)
-        self.full_rows_rule = cfg.gnet_full_rows
         # differentiable: the real pairs kept in this forward's masked pass, over its kernel calls
         self.kept = None
         # the real pairs of the same (no gradient); 1 - kept / pairs is the masking rate
@@ -166,11 +160,8 @@ class AttendOut(nn.Module):
                 self.rows = self.rows + rows
                 self.full_rows = self.full_rows + full_rows
             # S' = S - 10000 (1 - M): a masked pair leaves the softmax
-            if self.full_rows_rule == "uniform":
-                return S * M.to(S.dtype) + ((M - 1) * MASKED).to(S.dtype)
             return S + ((M - 1) * MASKED).to(S.dtype)
 
-        mask_fn.full_rows = self.full_rows_rule
         return mask_fn
 
     # this layer's share of real pairs masked in the last masked pass (nan: none ran)

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save
 
 import data
-from attendout import (FULL_ROWS, MASKED, METHODS, begin_forward, export_without_gnet,
-                       make_attn_dropout)
+from attendout import METHODS, begin_forward, export_without_gnet, make_attn_dropout
 from data import ArgumentParser, one_line_errors
 from sparse import block_sparse_attention, hst_attention, pattern_of
 
@@ -60,7 +59,6 @@ class Config:
     attn_dropout_p: float = 0.1
     gnet_tau: float = 0.5
     gnet_lr: float | None = None
-    gnet_full_rows: str = "unchanged"  # a query row with every real key masked (methods.md §3.1)
     schedule: str = ""                # methods.md §3.2: droprates.jsonl or "linear:P_LOW:P_HIGH"
     # LayerDrop skips a whole layer, Attn.LayerDrop only its attention (methods.md §3.3, training).
     layerdrop: float = 0.0
@@ -77,13 +75,11 @@ def check_config(cfg):
         raise ValueError(
             f"hidden_size {cfg.hidden_size} is not divisible by num_heads {cfg.num_heads}")
     choices_of = (("attention", ("dense", "sparse", "hst")), ("attn_dropout", METHODS),
-                  ("head", HEADS), ("gnet_full_rows", FULL_ROWS))
+                  ("head", HEADS))
     for name, choices in choices_of:
         value = getattr(cfg, name)
         if value not in choices:
             raise ValueError(f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
-    if cfg.gnet_full_rows == "padding" and cfg.attention != "dense":
-        raise ValueError("gnet_full_rows padding: dense attention only (--gnet-full-rows)")
     for name in ("hidden_dropout_p", "attn_dropout_p", "layerdrop", "attn_layerdrop"):
         value = getattr(cfg, name)
         if not 0.0 <= value < 1.0:
@@ -109,10 +105,6 @@ def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, mask_fn=None):
     def pair_scores(a, c):
         return a @ c.transpose(-1, -2)                                            # G = a c^T
 
-    if key_mask is not None and getattr(mask_fn, "full_rows", None) == "padding":
-        # the author's: every padding key sits at S - 10000, as a masked pair does
-        pad = ~key_mask[:, None, None, :]
-        return torch.where(pad, S - MASKED, mask_fn(S, real_pairs, pair_scores)).softmax(-1) @ v
     S = mask_fn(S, real_pairs, pair_scores)                                       # S'
     if key_mask is not None:
         S = S.masked_fill(~key_mask[:, None, None, :], torch.finfo(S.dtype).min)

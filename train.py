@@ -41,7 +41,7 @@ DEMO = {"task": "listops", "init": "scratch",
 # With --init, FINETUNE replaces DEMO for the flags not given: the usual GLUE recipe, no SAR.
 CONFIG_FLAGS = ("attention", "block_size", "window", "num_global", "num_random", "max_positions",
                 "attn_dropout", "attn_dropout_p", "hidden_dropout_p", "gnet_tau", "gnet_lr",
-                "gnet_full_rows", "schedule", "layerdrop", "attn_layerdrop")
+                "schedule", "layerdrop", "attn_layerdrop")
 FINETUNE = {"lr": 2e-5, "epochs": 3, "eval_every": 0, "sar": 0.0, **dict.fromkeys(CONFIG_FLAGS)}
 # What fixes the model, the data stream and the schedule: a resumed run may not change these.
 RESUME_FIXED = ("task", "data", "train_file", "dev_file", "text_col", "text_pair_col", "label_col",
@@ -111,8 +111,6 @@ def make_parser(defaults=True):
     add("--hidden-dropout-p", type=float, help="embedding and residual dropout (Config: 0.1)")
     add("--gnet-tau", type=float, help="AttendOut: the keep reward's weight is tau^2 (Config: 0.5)")
     add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: --lr's)")
-    add("--gnet-full-rows", choices=list(attendout.FULL_ROWS),
-        help="AttendOut: what a row with every real key masked does (Config: unchanged)")
     add("--schedule", help="--attn-dropout scheduled: a droprates.jsonl or linear:P_LOW:P_HIGH")
     add("--layerdrop", type=float, help="LayerDrop: skip a whole layer with this probability")
     add("--attn-layerdrop", type=float, help="Attn.LayerDrop: skip only the attention sub-layer")

@@ -750,9 +750,6 @@ GNET_LR_ROWS = {            # the baseline first
     "standard": ["--attn-dropout", "standard"],
     "attendout": ["--attn-dropout", "attendout"],                       # the author's rule: --lr's rate
     "attendout_gnet_lr_1e-5": ["--attn-dropout", "attendout", "--gnet-lr", "1e-5"],
-    # what a fully masked row does (--gnet-full-rows): ours (unchanged) above, the author's, a third
-    "attendout_full_rows_padding": ["--attn-dropout", "attendout", "--gnet-full-rows", "padding"],
-    "attendout_full_rows_uniform": ["--attn-dropout", "attendout", "--gnet-full-rows", "uniform"],
 }
 GNET_LR_FLAGS = ["--lr", "2e-5", "--warmup", "0.06"]
 
@@ -789,10 +786,6 @@ def gnet_lr(a):
         if "attendout" in r and "attendout_gnet_lr_1e-5" in r:
             table.append(f"| {ds} | attendout (author's rule) - attendout_gnet_lr_1e-5 "
                          f"| {fmt_diff(r['attendout_gnet_lr_1e-5'], r['attendout'])} |")
-        for name in ("attendout_full_rows_padding", "attendout_full_rows_uniform"):
-            if "attendout" in r and name in r:
-                table.append(f"| {ds} | {name} - attendout (fully masked rows unchanged) "
-                             f"| {fmt_diff(r['attendout'], r[name])} |")
     table += ["", "| data | row | masking rate per layer at 10% / 25% / 50% / 100% of training (mean over seeds) "
               "| fully masked rows, largest share over the run, per layer (max over seeds) "
               "| masked-pass consistency, mean over the logged steps (mean over seeds) |", "|---|---|---|---|---|"]
