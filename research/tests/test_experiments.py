@@ -259,3 +259,11 @@ def test_sparse_grid_scores_every_shift_of_the_final_weights(tiny_init, capfd):
     assert raw["hst"]["acc_by_shift"][0] == [dev["acc"]] + [dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8)]
     assert "| sst2 | lowres | hst | " in open(tiny_init / "tables" / "results_pretrained_sparse_sst2.md").read()
     assert not os.path.exists(out / "sst2-lowres-hst-s0" / "ckpt_last.pt")       # checkpoints dropped
+
+
+def test_mean_logged_averages_the_step_lines_only(tmp_path):
+    # gnet-lr's consistency column: the mean over log.jsonl's step lines; the dev lines lack the key
+    lines = [{"step": 10, "mask_consistency": 0.002}, {"step": 20, "mask_consistency": 0.004},
+             {"step": 20, "dev": {"dev": {"acc": 0.5}}}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert experiments.mean_logged(str(tmp_path), "mask_consistency") == pytest.approx(0.003)
