@@ -207,7 +207,8 @@ def setup(args):
     generated = args.task == "listops" or args.task.startswith("lab-")  # made here without --data
     if args.data is None and not generated:
         fail(f"--task {args.task} needs --data (a folder with its train / dev files)")
-    folder = args.data or os.path.join("data", "listops-demo" if args.task == "listops" else args.task)
+    default_folder = "listops-demo" if args.task == "listops" else args.task
+    folder = args.data or os.path.join("data", default_folder)
     if args.task == "listops" and args.data is None and is_main() and \
             not os.path.exists(f"{folder}/basic_val.tsv"):
         print(f"generating a small ListOps set in {folder}", flush=True)
