@@ -568,8 +568,9 @@ def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None
     return TaskData(split["train"], {"dev": split["dev"]}, 10, False, "acc", list(digits),
                     stats["truncated"])
 
-# The lab's tasks (section 6b), each built for blocks of `block` tokens: their generators' numbers
-# (the length in tokens, [cls] included; where the evidence lies) and the sets' sizes and seed.
+# The lab's tasks (section 6b), the topology's built for blocks of `block` tokens: their generators'
+# numbers (the length in tokens, [cls] included; where the evidence lies) and the sets' sizes and
+# seed.
 LAB = {
     # reach: a needle in a block drawn from near .. far (uniform over their tokens); with b = 8,
     # window 1 and no global token, 2 layers of block-sparse attention take [cls] to blocks 0-2
@@ -580,6 +581,9 @@ LAB = {
     # boundary: the label is the letter ("a" or "b") at token `at`, the last token of block 1,
     # known only by its position: every other token is "a" or "b" too
     "lab-boundary": dict(kind="boundary", length=64, block=8, at=15),
+    # shortcut: label 1 iff `more` outnumbers `less` among the filler; token 1 gives the label away
+    # in training (X for 0, Y for 1) and is X or Y at random on dev. Dense attention, no blocks.
+    "lab-shortcut": dict(kind="shortcut", length=64, more="b", less="c"),
 }
 LAB_SIZES = dict(n_train=20000, n_dev=1000, seed=0)
 
@@ -886,11 +890,12 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
     return paths
 
 # -----------------------------------------------------------------------------
-# 6b. The lab's generators (docs/results.md, "The lab"): three tasks, each with one path of
-# information that a topology has or lacks. A sequence is [cls] + letters, one byte a token, so
-# the letter at text index i is token i + 1; blocks are counted in tokens, [cls] in block 0. The
-# label, "0" or "1", is balanced. Every task's numbers (its length, the model's block size b that
-# it is built for, the evidence's place) are its entry of LAB (section 3).
+# 6b. The lab's generators (docs/results.md, "The lab"): four tasks, each with one path of
+# information that a method has or lacks. A sequence is [cls] + letters, one byte a token, so the
+# letter at text index i is token i + 1; blocks are counted in tokens, [cls] in block 0. The label,
+# "0" or "1", is balanced. Every task's numbers (its length, the model's block size b that it is
+# built for, the evidence's place) are its entry of LAB (section 3); its kind's entry of LAB_KINDS
+# holds the generator, the label rule and the evidence together.
 LAB_FILLER = "abcd"             # the letters that carry nothing
 LAB_NEEDLES = "XY"              # reach: the marked letter; X means label 0, Y label 1
 
@@ -901,6 +906,13 @@ def lab_reach(rng, length, block, near, far, **unused):
     token = rng.randrange(max(1, near * block), (far + 1) * block)
     letters[token - 1] = LAB_NEEDLES[label]
     return "".join(letters), label
+
+# The needle decides a reach text: label 1 iff it is Y; its token (text index + 1).
+def reach_label(text, **spec):
+    return int(text[reach_evidence(text) - 1] == LAB_NEEDLES[1])
+
+def reach_evidence(text, **spec):
+    return 1 + next(i for i, c in enumerate(text) if c in LAB_NEEDLES)
 
 # bottleneck: block 0 is [cls] and filler; blocks 1 .. 2 pairs hold one letter each, block j's
 # letter equal to block j + pairs' in every pair (label 1) or in all pairs but one (label 0).
@@ -917,38 +929,90 @@ def lab_bottleneck(rng, length, block, pairs, letters, **unused):
     letters += [rng.choice(LAB_FILLER) for _ in range(length - 1 - len(letters))]
     return "".join(letters), label
 
+# Label 1 iff every block j (1 .. pairs) holds the same letters as block j + pairs: many tokens
+# decide together, no single one.
+def bottleneck_label(text, block, pairs, **spec):
+    blocks = [text[j * block - 1:(j + 1) * block - 1] for j in range(1, 2 * pairs + 1)]
+    return int(all(blocks[j] == blocks[j + pairs] for j in range(pairs)))
+
 # boundary: "a" and "b" at random; the label is 1 iff the letter at token `at` is "b".
 def lab_boundary(rng, length, at, **unused):
     letters = [rng.choice("ab") for _ in range(length - 1)]
     return "".join(letters), int(letters[at - 1] == "b")
 
-LAB_KINDS = {"reach": lab_reach, "bottleneck": lab_bottleneck, "boundary": lab_boundary}
+def boundary_label(text, at, **spec):
+    return int(text[at - 1] == "b")
 
-# n (text, label) of a lab task, the same for the same seed.
-def generate_lab(name, n, seed):
+def boundary_evidence(text, at, **spec):
+    return at
+
+# shortcut: the filler (token 2 on) with `more` and `less` never equally often, label 1 iff `more`
+# is the commoner; drawn for a label, then `more` and `less` swapped where the count says the other
+# (the swap maps the filler's distribution onto itself). Token 1 is the shortcut: in training the
+# needle of the label (X for 0, Y for 1), on dev X or Y at random, whatever the label.
+def lab_shortcut(rng, length, more, less, train, **unused):
+    label = rng.randrange(2)
+    letters = [more, less]
+    while letters.count(more) == letters.count(less):
+        letters = [rng.choice(LAB_FILLER) for _ in range(length - 2)]
+    if int(letters.count(more) > letters.count(less)) != label:
+        swap = {more: less, less: more}
+        letters = [swap.get(c, c) for c in letters]
+    first = LAB_NEEDLES[label] if train else rng.choice(LAB_NEEDLES)
+    return first + "".join(letters), label
+
+# The count decides a shortcut text, read over the whole text (the shortcut X or Y is neither
+# letter counted): label 1 iff `more` occurs more often than `less`. No single token decides.
+def shortcut_label(text, more, less, **spec):
+    return int(text.count(more) > text.count(less))
+
+# One lab kind: its generator ((rng, train, **spec) -> (text, label); `train` False for a dev
+# example), its label rule ((text, **spec) -> 0 or 1, read off the text) and its evidence ((text,
+# **spec) -> the token that decides the label), None where no single token decides.
+@dataclass(frozen=True)
+class LabKind:
+    generate: callable
+    label: callable
+    evidence: callable = None
+
+LAB_KINDS = {
+    "reach": LabKind(lab_reach, reach_label, reach_evidence),
+    "bottleneck": LabKind(lab_bottleneck, bottleneck_label),
+    "boundary": LabKind(lab_boundary, boundary_label, boundary_evidence),
+    "shortcut": LabKind(lab_shortcut, shortcut_label),
+}
+
+# A lab task's (kind, its LAB entry); an unknown task or kind is an error naming the known ones.
+def lab_kind(name):
+    if name not in LAB:
+        raise DataError(f"unknown lab task {name!r}; known: {', '.join(LAB)}")
     spec = LAB[name]
+    if spec["kind"] not in LAB_KINDS:
+        raise DataError(f"{name}: unknown lab kind {spec['kind']!r}; known: {', '.join(LAB_KINDS)}")
+    return LAB_KINDS[spec["kind"]], spec
+
+# n (text, label) of a lab task, the same for the same seed; the first n_train are training
+# examples (all of them if None), the rest dev examples (only the shortcut's differ).
+def generate_lab(name, n, seed, n_train=None):
+    kind, spec = lab_kind(name)
     rng = random.Random(f"{name}-{seed}")
-    return [LAB_KINDS[spec["kind"]](rng, **spec) for _ in range(n)]
+    n_train = n if n_train is None else n_train
+    return [kind.generate(rng, train=i < n_train, **spec) for i in range(n)]
 
 # A text's label by its task's rule, read off the text (apart from the generators, which build a
-# text for a label): reach, the needle is Y; bottleneck, every block j (1 .. pairs) holds the same
-# letter as block j + pairs; boundary, token `at` is "b".
+# text for a label).
 def lab_label(name, text):
-    spec = LAB[name]
-    if spec["kind"] == "reach":
-        return int(text[lab_evidence(name, text) - 1] == LAB_NEEDLES[1])
-    if spec["kind"] == "boundary":
-        return int(text[spec["at"] - 1] == "b")
-    b = spec["block"]
-    blocks = [text[j * b - 1:(j + 1) * b - 1] for j in range(1, 2 * spec["pairs"] + 1)]
-    return int(all(blocks[j] == blocks[j + spec["pairs"]] for j in range(spec["pairs"])))
+    kind, spec = lab_kind(name)
+    return kind.label(text, **spec)
 
-# The evidence of a reach or boundary text: the token that decides its label.
+# The token that decides a text's label (reach, boundary); an error for a kind where no single
+# token decides (bottleneck, shortcut): such a task has no receptive-field bound.
 def lab_evidence(name, text):
-    spec = LAB[name]
-    if spec["kind"] == "boundary":
-        return spec["at"]
-    return 1 + next(i for i, c in enumerate(text) if c in LAB_NEEDLES)
+    kind, spec = lab_kind(name)
+    if kind.evidence is None:
+        raise DataError(f"{name}: no single token decides a {spec['kind']} text, so it has no "
+                        f"evidence token (and no receptive-field bound)")
+    return kind.evidence(text, **spec)
 
 # OUT/train.tsv and OUT/dev.tsv (header Source<TAB>Target), each written whole or not at all, and
 # OUT/spec.json, the numbers that made them; returns the two paths.
@@ -956,7 +1020,7 @@ def write_lab(name, out_dir, n_train=None, n_dev=None, seed=None):
     n_train = LAB_SIZES["n_train"] if n_train is None else n_train
     n_dev = LAB_SIZES["n_dev"] if n_dev is None else n_dev
     seed = LAB_SIZES["seed"] if seed is None else seed
-    rows = generate_lab(name, n_train + n_dev, seed)
+    rows = generate_lab(name, n_train + n_dev, seed, n_train)
     splits = {"train": rows[:n_train], "dev": rows[n_train:]}
     os.makedirs(out_dir, exist_ok=True)
     spec = {"task": name, **LAB[name], "n_train": n_train, "n_dev": n_dev, "seed": seed}

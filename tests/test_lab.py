@@ -35,6 +35,29 @@ def test_rules_on_hand_built_texts():
     assert data.lab_label("lab-boundary", text[:14] + "b" + text[15:]) == 1
     assert data.lab_label("lab-boundary", text[:13] + "bb" + text[15:]) == 1
     assert data.lab_label("lab-boundary", text[:15] + "b" * 48) == 0                 # every other token b
+    assert data.lab_evidence("lab-boundary", text) == 15
+    # shortcut: the count of b against c decides, never the first letter (the shortcut)
+    filler = "abcd" * 15 + "ab"                                                     # 16 b, 15 c
+    assert data.lab_label("lab-shortcut", "X" + filler) == 1
+    assert data.lab_label("lab-shortcut", "Y" + filler.replace("b", "c", 2)) == 0    # 14 b, 17 c
+    assert data.lab_label("lab-shortcut", "Y" + "c" + filler[1:].replace("b", "a", 1)) == 0
+    assert data.lab_label("lab-shortcut", "X" + "bcbcbbd" + "a" * 55) == 1
+
+
+def test_no_single_deciding_token_and_unknown_kinds_are_errors(monkeypatch):
+    """A kind where no single token decides has no evidence (and no bound); an unknown task or kind is an error
+    naming the known ones, never another kind's rule."""
+    for name in ("lab-bottleneck", "lab-shortcut"):
+        with pytest.raises(data.DataError, match="no single token decides"):
+            data.lab_evidence(name, "a" * 63)
+    with pytest.raises(data.DataError, match="unknown lab task 'lab-xor'; known: lab-reach"):
+        data.lab_label("lab-xor", "a" * 63)
+    monkeypatch.setitem(data.LAB, "lab-xor", dict(kind="xor", length=64))
+    for call in (data.lab_label, data.lab_evidence):
+        with pytest.raises(data.DataError, match="lab-xor: unknown lab kind 'xor'; known: reach, bottleneck"):
+            call("lab-xor", "a" * 63)
+    with pytest.raises(data.DataError, match="unknown lab kind 'xor'"):
+        data.generate_lab("lab-xor", 3, seed=0)
 
 
 @pytest.mark.parametrize("name", list(data.LAB))
@@ -46,11 +69,26 @@ def test_generators_are_deterministic_and_labelled_by_their_rule(name):
     assert all(len(t) + 1 == spec["length"] for t, _ in rows)                   # [cls] + the letters
     assert all(data.lab_label(name, t) == y for t, y in rows)
     assert 150 < sum(y for _, y in rows) < 250                                  # balanced
+    if spec["kind"] == "shortcut":                                              # never a tie
+        assert all(t.count(spec["more"]) != t.count(spec["less"]) for t, _ in rows)
     if spec["kind"] == "reach":                                                 # one needle, in blocks near .. far
         b = spec["block"]
         assert all(sum(c in data.LAB_NEEDLES for c in t) == 1 for t, _ in rows)
         blocks = {data.lab_evidence(name, t) // b for t, _ in rows}
         assert blocks == set(range(spec["near"], spec["far"] + 1))
+
+
+def test_shortcut_gives_the_label_away_in_training_only():
+    """lab-shortcut: token 1 is the label's needle in every training example; on dev it is X or Y at random,
+    independent of the label, and the count still decides."""
+    rows = data.generate_lab("lab-shortcut", 2000, seed=1, n_train=1000)
+    train, dev = rows[:1000], rows[1000:]
+    assert all(t[0] == data.LAB_NEEDLES[y] for t, y in train)
+    agree = sum(t[0] == data.LAB_NEEDLES[y] for t, y in dev)
+    assert 430 < agree < 570                                                    # a coin, not the label
+    assert all(data.lab_label("lab-shortcut", t) == y for t, y in dev)
+    assert 430 < sum(y for _, y in dev) < 570
+    assert set(t[0] for t, _ in dev) == set(data.LAB_NEEDLES)
 
 
 def test_folder_generated_on_first_use(tmp_path):
