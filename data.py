@@ -568,9 +568,9 @@ def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None
     return TaskData(split["train"], {"dev": split["dev"]}, 10, False, "acc", list(digits),
                     stats["truncated"])
 
-# The lab's tasks (section 6b), the topology's built for blocks of `block` tokens: their generators'
-# numbers (the length in tokens, [cls] included; where the evidence lies) and the sets' sizes and
-# seed.
+# The lab's tasks (section 6b), the topology's built for blocks of `block` tokens: their
+# generators' numbers (the length in tokens, [cls] included; where the evidence lies) and the sets'
+# sizes and seed.
 LAB = {
     # reach: a needle in a block drawn from near .. far (uniform over their tokens); with b = 8,
     # window 1 and no global token, 2 layers of block-sparse attention take [cls] to blocks 0-2
@@ -988,7 +988,8 @@ def lab_kind(name):
         raise DataError(f"unknown lab task {name!r}; known: {', '.join(LAB)}")
     spec = LAB[name]
     if spec["kind"] not in LAB_KINDS:
-        raise DataError(f"{name}: unknown lab kind {spec['kind']!r}; known: {', '.join(LAB_KINDS)}")
+        known = ", ".join(LAB_KINDS)
+        raise DataError(f"{name}: unknown lab kind {spec['kind']!r}; known: {known}")
     return LAB_KINDS[spec["kind"]], spec
 
 # n (text, label) of a lab task, the same for the same seed; the first n_train are training
