@@ -119,6 +119,10 @@ class AttendOut(nn.Module):
         # logits all drop by the same 10,000, so their softmax, and their output, stay unchanged
         self.rows = None
         self.full_rows = None
+        # dense attention, whose layout's last axis is the key's position: the masked real pairs
+        # by key position [L] (no gradient), which shows WHERE the G-Net masks
+        self.dense = cfg.attention == "dense"
+        self.masked_keys = None
 
     # no Bernoulli dropout in either pass (the author's RoBERTa code)
     def rate(self, step_frac=0.0):
@@ -149,6 +153,8 @@ class AttendOut(nn.Module):
                 none_kept = (M * valid).sum(dim=-1) == 0
                 rows = real_row.sum() / heads
                 full_rows = (real_row & none_kept).sum() / heads
+                if self.dense:                                               # [L]
+                    self.masked_keys = ((1 - M) * valid).sum(dim=(0, 1, 2)) / heads
             if self.kept is None:
                 self.kept = kept
                 self.pairs = pairs
@@ -176,6 +182,13 @@ class AttendOut(nn.Module):
             return math.nan
         return float(self.full_rows / self.rows)
 
+    # this layer's masked real pairs by key position, each position's share of them (dense only)
+    def masked_by_key(self):
+        if self.masked_keys is None:
+            return None
+        total = self.masked_keys.sum().clamp(min=1.0)
+        return (self.masked_keys / total).tolist()
+
     def extra_repr(self):
         return f"dim={self.gnet.dim}"
 
@@ -195,6 +208,7 @@ def begin_forward(model):
         m.pairs = None
         m.rows = None
         m.full_rows = None
+        m.masked_keys = None
 
 
 # The keep reward (methods.md §3.1): tau^2 x (pairs kept per example, summed over layers). The keep
@@ -218,6 +232,15 @@ def full_row_rates(model):
     return [m.full_row_rate() for m in attendout_modules(model)]
 
 
+# Where the masks fall (dense attention): per layer, each key position's share of the masked real
+# pairs; None for a sparse or HST layout, whose key axis holds gathered blocks, not positions.
+def masked_by_key(model):
+    shares = [m.masked_by_key() for m in attendout_modules(model)]
+    if any(share is None for share in shares):
+        return None
+    return shares
+
+
 # A copy of state_dict without the G-Nets (every key with a 'gnet' component): export drops them.
 def export_without_gnet(state_dict):
     return type(state_dict)((k, v) for k, v in state_dict.items() if GNET not in k.split("."))
@@ -229,8 +252,8 @@ def export_without_gnet(state_dict):
 # rates.
 
 class DropRateLogger:
-    """{"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m, "full_rows": [..]}
-    lines."""
+    """{"step": s, "step_frac": f, "drop_rate": [p_1, ..., p_L], "mean": m, "full_rows": [..],
+    "masked_by_key": [[share of key 0, key 1, ..] per layer] (dense attention only)} lines."""
 
     def __init__(self, path, log_interval, append=False):
         self.path = path
@@ -239,10 +262,11 @@ class DropRateLogger:
         if not append:
             open(self.path, "w").close()
 
-    def log(self, step, step_frac, rates, full_rows=None, last=False):
+    def log(self, step, step_frac, rates, full_rows=None, masked_by_key=None, last=False):
         """rates: one float per layer; full_rows: each layer's share of real query rows with every
-        real key masked; last: the final step, always written (a replay then ends at the run's
-        final rates). Returns True if a line was written."""
+        real key masked; masked_by_key: each layer's masked pairs by key position (masked_by_key);
+        last: the final step, always written (a replay then ends at the run's final rates).
+        Returns True if a line was written."""
         if step % self.log_interval and not last:
             return False
         # the mean over the layers that ran (LayerDrop may skip some: nan)
@@ -255,6 +279,8 @@ class DropRateLogger:
         }
         if full_rows is not None:
             rec["full_rows"] = [float(r) for r in full_rows]
+        if masked_by_key is not None:
+            rec["masked_by_key"] = [[round(x, 5) for x in layer] for layer in masked_by_key]
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return True

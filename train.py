@@ -4,6 +4,7 @@ Run:  python train.py --max-steps 100      # the demo (DEMO): ListOps, HST + SAR
       python train.py --init roberta.pt --task sst2 --data glue/SST-2      # fine-tune a checkpoint
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -118,6 +119,11 @@ def make_parser(defaults=True):
     add("--sar", type=float, help="SAR's weight alpha (0: off; with --init: 0)")
     add("--sar-shift", type=int, default=1, help="SAR: padding tokens inserted after the first")
     add("--rdrop", type=float, default=0.0, help="R-Drop's weight alpha (0: off)")
+    add("--views", type=int, choices=[1, 2],
+        help="views per batch: 2 adds SAR's shifted view (R-Drop's copy), also at alpha 0 "
+             "(default: 2 with --sar or --rdrop, else 1)")
+    add("--ce", choices=["all", "original"], default="all",
+        help="the cross-entropy on every clean view, or on the original view only")
     if defaults:
         ap.set_defaults(**DEMO)
     else:
@@ -138,6 +144,8 @@ def parse_args(argv):
         for name, value in FINETUNE.items():
             if name not in args.given:
                 setattr(args, name, value)
+    if args.views is None:                               # a second view where an alpha asks for it
+        args.views = 2 if args.sar > 0 or args.rdrop > 0 else 1
     return args
 
 # Before anything is read or written, a value that means nothing is one `error:` line.
@@ -155,6 +163,8 @@ def check_args(args):
         fail(f"--max-len {args.max_len}: must be >= 8")
     if args.sar > 0 and args.rdrop > 0:
         fail("--sar and --rdrop are alternatives; give one")
+    if args.views == 1 and (args.sar > 0 or args.rdrop > 0):
+        fail("--views 1: --sar / --rdrop compare two views (give --views 2, or alpha 0)")
     if args.sar_shift < 1:
         fail(f"--sar-shift {args.sar_shift}: SAR needs a shift of at least 1 token")
     s = args.schedule
@@ -242,21 +252,22 @@ def setup(args):
         r.model = torch.nn.parallel.DistributedDataParallel(r.model, find_unused_parameters=skips)
     r.model.train()
     torch.manual_seed(args.seed + r.rank)                # nanoGPT: each process its own dropout
-    # The schedule in optimizer steps (full steps per epoch; the total: --max-steps or --epochs of
-    # them; the warmup: a fraction or a count), AdamW and the loop's state (micro: batches used).
-    per_process = args.batch_size // args.grad_accum     # a micro-batch, all processes
-    if per_process < r.world or args.batch_size % (args.grad_accum * r.world):
+    # The schedule in optimizer steps (one per batch of --batch-size; the total: --max-steps or
+    # --epochs of them; the warmup: a fraction or a count), AdamW and the loop's state (batch: the
+    # epoch's batches used; masks_died: the step AttendOut's masks were found dead, if they were).
+    if args.batch_size % (args.grad_accum * r.world):
         fail(f"--batch-size {args.batch_size} must be a multiple of --grad-accum x processes "
              f"({args.grad_accum} x {r.world})")
-    r.per_epoch = len(epoch_batches(r, 0)) // args.grad_accum
+    r.per_epoch = len(epoch_batches(r, 0))
     if r.per_epoch == 0:
-        fail(f"{len(r.task.train)} training examples make no full step of --batch-size "
+        fail(f"{len(r.task.train)} training examples make no step of --batch-size "
              f"{args.batch_size}")
     r.total = args.max_steps or max(1, int(args.epochs * r.per_epoch))
     r.warmup = int(args.warmup * r.total) if args.warmup < 1 else int(args.warmup)
     r.optimizer = make_optimizer(r.raw, args, r.device)
-    r.state = {"step": 0, "epoch": 0, "micro": 0, "best": None, "best_step": None, "wall": 0.0,
-               "dev": {}, "saved_step": None}        # saved_step: the step in ckpt_last.pt
+    r.state = {"step": 0, "epoch": 0, "batch": 0, "best": None, "best_step": None, "wall": 0.0,
+               "dev": {}, "saved_step": None,        # saved_step: the step in ckpt_last.pt
+               "mask_means": [], "masks_died": None}
     # --out, once all that worked: one run at a time (data.lock_out), the old run's files removed
     # (not on --resume), and a killed save's temporary file.
     os.makedirs(args.out, exist_ok=True)
@@ -284,6 +295,8 @@ def fall_back(args):
                      f"compares class or value predictions, not {args.task}'s")
     if objective == "mlm" and args.sar > 0 and "sar" not in args.given:
         args.sar = 0.0
+        if "views" not in args.given:
+            args.views = 1
         notes.append("the default SAR is off: it compares predictions, and masked LM has none")
     return notes
 
@@ -371,8 +384,8 @@ def make_model(args, tok, task, start):
 def check_run(args, task, cfg):
     sparse = cfg.attention != "dense"
     b = cfg.block_size
-    if (args.sar > 0 or args.rdrop > 0) and task.num_labels == 0:
-        fail("--sar / --rdrop need a classification or regression task, not mlm")
+    if args.views == 2 and task.num_labels == 0:
+        fail("--sar / --rdrop / --views 2 need a classification or regression task, not mlm")
     if cfg.attn_dropout == "attendout" and data.TASKS[args.task].objective in ("mlm", "span"):
         fail(f"--attn-dropout attendout needs a classification or regression task, not "
              f"{args.task}: its masked pass is compared with the clean pass's predictions "
@@ -385,8 +398,12 @@ def check_run(args, task, cfg):
     if task.n_truncated:
         done = "were split into chunks" if task.num_labels == 0 else "were truncated"
         warn(f"{task.n_truncated} examples were longer than --max-len {args.max_len} and {done}")
-    if args.sar > 0 and not sparse:
+    shifted = args.views == 2 and args.rdrop == 0        # SAR's second view: the shifted topology
+    if shifted and not sparse:
         warn("--sar with dense attention has no effect: no block boundary moves")
+    if shifted and sparse and args.sar_shift % b == 0:
+        warn(f"--sar-shift {args.sar_shift} is a multiple of --block-size {b}: every boundary "
+             "lands on a boundary, so the two views are the same and SAR's consistency is 0")
     if args.eval_shift and not sparse:
         warn("--eval-shift with dense attention: shifting moves no block boundary")
     if sparse and b > max(len(e.ids) for e in task.train):
@@ -396,6 +413,8 @@ def check_run(args, task, cfg):
     for start, method in ONLY_WITH.items():              # a method's flags without the method
         useless += [n for n in args.given if n.startswith(start) and cfg.attn_dropout != method]
     useless += [n for n in args.given if n.endswith("_col") and args.task != "tsv"]
+    useless += [n for n in ("sar_shift",) if n in args.given and not shifted]
+    useless += [n for n in ("ce",) if n in args.given and args.views == 1]
     if useless:
         warn(f"{', '.join(map(flag, useless))}: no effect with this method or task")
 
@@ -406,10 +425,12 @@ def opening_line(r):                                     # task | model | method
     origin = "from scratch" if args.init == "scratch" and not args.resume else f"from {args.init}"
     methods = [f"{cfg.attention} attention",
                attendout.METHODS[cfg.attn_dropout].format(p=cfg.attn_dropout_p, cfg=cfg)]
-    if args.sar > 0:
-        methods.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
-    elif args.rdrop > 0:
+    if args.rdrop > 0:
         methods.append(f"R-Drop alpha {args.rdrop:g}")
+    elif args.views == 2:
+        methods.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
+    if args.views == 2 and args.ce == "original":
+        methods.append("cross-entropy on the original view only")
     where = f"{r.total} steps on {r.device}"
     where += f" x {r.world} processes" if r.world > 1 else ""
     if r.device.type == "cpu":
@@ -444,7 +465,9 @@ def train(r):
             log_step(r, step, numbers, meter)
             if rates_log is not None:                    # each layer's masking rate (§3.1)
                 rates_log.log(step, step / r.total, numbers["mask"], numbers["full_rows"],
-                              last=step == r.total)
+                              numbers.get("masked_by_key"), last=step == r.total)
+            if "mask" in numbers:
+                watch_masks(r, step, numbers["mask"])
             evaluate_now = step % args.eval_every == 0 if args.eval_every else epoch_done
             if evaluate_now or step == r.total:
                 if is_main():
@@ -460,19 +483,59 @@ def train(r):
                 print(f"stopped at step {state['step']}: saved {r.paths['ckpt_last.pt']}; "
                       f"continue with --resume --out {args.out}")
 
-# An epoch's batches of example indices: similar lengths together, shuffled by (seed, epoch) alone
-# (data.batch_plan), so resuming needs only the count used ("micro").
+# AttendOut's masks can die: when the G-Nets learn too fast (at --lr 1e-4 on MiniLM, their default
+# rate, the backbone's), they stop masking within some steps, and the run is plain fine-tuning at
+# twice the cost. When the masking rate, averaged over the layers, has averaged under
+# MASKS_DEAD_RATE over the last MASKS_DEAD_STEPS steps, one warning names --gnet-lr, and
+# final.json records the step ("masks_died"). 2% over 50 steps: dead masks average under 1% (0.7%
+# on CoLA at lr 1e-4), living ones over 10% (0.36 down to 0.04 by layer at the end of the author's
+# setting, lr 2e-5); 50 steps keep one quiet batch from deciding it. docs/methods.md §3.1.
+MASKS_DEAD_RATE = 0.02
+MASKS_DEAD_STEPS = 50
+
+def watch_masks(r, step, rates):
+    ran = [x for x in rates if not math.isnan(x)]       # LayerDrop may skip a layer: nan
+    recent = r.state["mask_means"]
+    recent.append(sum(ran) / max(len(ran), 1))
+    del recent[:-MASKS_DEAD_STEPS]                       # the last MASKS_DEAD_STEPS steps
+    dead = len(recent) == MASKS_DEAD_STEPS and sum(recent) / len(recent) < MASKS_DEAD_RATE
+    if dead and r.state["masks_died"] is None:
+        r.state["masks_died"] = step
+        warn(f"AttendOut's masks have died: over steps {step - MASKS_DEAD_STEPS + 1}-{step} the "
+             f"G-Nets masked {100 * sum(recent) / len(recent):.1f}% of the pairs (under "
+             f"{100 * MASKS_DEAD_RATE:g}%), so this is plain fine-tuning at twice the cost; a "
+             f"lower --gnet-lr (now {gnet_peak_lr(r.raw.cfg, r.args):g}) keeps them alive")
+
+# An epoch's batches of example indices, one per step: --batch-size examples of similar lengths
+# (the epoch's last may be short), shuffled by (seed, epoch) alone (data.batch_plan), so resuming
+# needs only the count used ("batch"), and the same seed trains the same examples at any
+# --grad-accum: a step cuts its batch into micro-batches (micro_batches).
 def epoch_batches(r, epoch):
-    size = r.args.batch_size // r.args.grad_accum
-    plan = data.batch_plan([len(e.ids) for e in r.task.train], size, seed=r.args.seed, epoch=epoch)
+    lengths = [len(e.ids) for e in r.task.train]
+    plan = data.batch_plan(lengths, r.args.batch_size, seed=r.args.seed, epoch=epoch)
     return [batch for batch in plan if len(batch) >= r.world]
+
+# A batch cut into --grad-accum micro-batches of (nearly) equal size, each with a row for every
+# process (torchrun): a short batch may make fewer.
+def micro_batches(batch, grad_accum, world):
+    count = min(grad_accum, len(batch) // world)
+    size, extra = divmod(len(batch), count)
+    pieces = []
+    start = 0
+    for i in range(count):
+        end = start + size + (1 if i < extra else 0)
+        pieces.append(batch[start:end])
+        start = end
+    return pieces
 
 # -----------------------------------------------------------------------------------------------
 # 4. The step (methods.md §1). The learning rate rises linearly over the warmup, then falls
 # linearly to 0 (t = step - 1), each parameter group at that factor of its own peak:
 #     lr(t) = peak x (t + 1) / warmup  (t < warmup),   peak x (total - t) / (total - warmup)  after
-# Then each --grad-accum micro-batch's loss (section 5) backward at 1 / grad_accum, clipping, a
-# check (a non-finite loss or gradient stops the run: nothing non-finite is saved), AdamW's step.
+# Then each micro-batch's loss (section 5) backward at its share of the batch's examples, so every
+# example weighs the same and the gradients add up to the whole batch's; clipping, a check (a
+# non-finite loss or gradient stops the run: nothing non-finite is saved), AdamW's step. The
+# numbers logged are the micro-batches' means at the same weights, so the step line adds up.
 def train_step(r, batches, step, meter):
     args = r.args
     state = r.state
@@ -484,33 +547,56 @@ def train_step(r, batches, step, meter):
     for group in r.optimizer.param_groups:
         group["lr"] = group["base_lr"] * factor
     r.raw.set_progress(t / r.total)                      # scheduled dropout follows the progress
-    loss_sum = 0.0
-    for i in range(args.grad_accum):
+    batch_ids = batches[state["batch"]]
+    pieces = micro_batches(batch_ids, args.grad_accum, r.world)
+    weights = []
+    logged = []
+    for i, piece in enumerate(pieces):
         # the micro-batch, padded to its longest; each process (torchrun) takes every world-th row
-        rows = data.collate([r.task.train[j] for j in batches[state["micro"] + i]], r.tok.pad_id)
+        rows = data.collate([r.task.train[j] for j in piece], r.tok.pad_id)
         batch = {k: v[r.rank::r.world].to(r.device, non_blocking=True) for k, v in rows.items()}
-        meter["seen"] += batch["input_ids"].size(0) * r.world
-        sync = i == args.grad_accum - 1 or r.world == 1  # DDP averages at the last micro-batch
+        meter["seen"] += len(piece)
+        weight = len(piece) / len(batch_ids)             # its share of the batch's examples
+        sync = i == len(pieces) - 1 or r.world == 1      # DDP averages at the last micro-batch
         with nullcontext() if sync else r.model.no_sync(), data.autocast(r.device):
             loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)     # section 5
-        (loss / args.grad_accum).backward()              # the gradients add up
-        loss_sum += parts.get("loss", loss.item()) / args.grad_accum     # the backbone's loss
-    state["micro"] += args.grad_accum
-    epoch_done = state["micro"] + args.grad_accum > len(batches)     # no full step left in it
+        (loss * weight).backward()                       # the gradients add up
+        weights.append(weight)
+        logged.append({"loss": loss.item(), **parts})    # "loss": the backbone's, where it differs
+    numbers = weighted_mean(logged, weights)
+    state["batch"] += 1
+    epoch_done = state["batch"] == len(batches)
     if epoch_done:
         state["epoch"] += 1
-        state["micro"] = 0
+        state["batch"] = 0
     norms = clip_gradients(r.optimizer, args.clip)       # the norms before clipping
-    stop_if_not_finite(r, step, loss_sum, norms, factor * args.lr)
+    stop_if_not_finite(r, step, numbers["loss"], norms, factor * args.lr)
     r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets
     r.optimizer.zero_grad(set_to_none=True)
-    return {**parts, "loss": loss_sum, "lr": factor * args.lr, **norms}, epoch_done
+    return {**numbers, "lr": factor * args.lr, **norms}, epoch_done
+
+# The micro-batches' logged numbers {name: value}, each averaged at the micro-batches' weights. A
+# list (one number per layer, or per key position) is averaged entry by entry, a missing entry
+# counting 0 (a shorter micro-batch has no pairs at that key) and a nan (a layer LayerDrop skipped)
+# left out; a plain number keeps its nan (a non-finite loss must stop the run).
+def weighted_mean(logged, weights):
+    def mean(values, in_list):
+        if isinstance(values[0], list):
+            columns = itertools.zip_longest(*values, fillvalue=0.0)
+            return [mean(list(column), True) for column in columns]
+        pairs = [(v, w) for v, w in zip(values, weights) if not (in_list and math.isnan(v))]
+        if not pairs:
+            return math.nan
+        return sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+    return {name: mean([numbers[name] for numbers in logged], False) for name in logged[0]}
 
 # -----------------------------------------------------------------------------------------------
 # 5. The loss (methods.md §1, §2.3, §3.1): all that a classification or regression step optimises:
-#     L = mean over the clean views of CE(z, y)        the task (task_loss; MSE for STS-B)
+#     L = mean over the clean views of CE(z, y)        the task (task_loss; MSE for STS-B); with
+#                                                      --ce original, CE(z_original, y) alone
 #       + alpha x consistency(z_original, z_second)    SAR (--sar alpha): the topology shifted,
 #                                                      or R-Drop (--rdrop alpha): a 2nd dropout
+#                                                      (--views 2 runs the second view at alpha 0)
 #       + consistency(z_original, z_masked)            AttendOut: the G-Nets' masked pass
 #     keep = tau^2 x kept                              AttendOut's keep reward (--gnet-tau): the
 #                                                      pairs kept per example, all layers
@@ -523,17 +609,19 @@ def train_step(r, batches, step, meter):
 def classify_loss(model, batch, args, task, tok):
     batch = as_rows(batch)
     raw = getattr(model, "module", model)                # the Model itself, also under DDP
-    second = None                                        # no second view ...
+    second = None                                        # one view ...
     alpha = 0.0
-    if args.sar > 0:                                     # ... or SAR's, shifted by s tokens
-        second = args.sar_shift
-        alpha = args.sar
-    elif args.rdrop > 0:                                 # ... or R-Drop's, a plain copy
+    if args.rdrop > 0:                                   # ... or R-Drop's second, a plain copy
         second = 0
         alpha = args.rdrop
+    elif args.views == 2:                                # ... or SAR's, shifted by s tokens
+        second = args.sar_shift
+        alpha = args.sar
     masked = raw.cfg.attn_dropout == "attendout"
     z = sar.stacked_views(model, batch, second, masked)  # [B, C] per view
-    clean = z[:-1] if masked else z
+    clean = z[:-1] if masked else z                      # the views the labels are asked of
+    if args.ce == "original":
+        clean = z[:1]
     ce = sum(task_loss(zi, batch["labels"], task.is_regression) for zi in clean) / len(clean)
     loss = ce
     parts = {"ce": ce.item()} if second is not None or masked else {}
@@ -555,6 +643,9 @@ def classify_loss(model, batch, args, task, tok):
     parts["keep"] = keep.item()
     parts["mask"] = attendout.mask_rates(raw)            # one rate per layer
     parts["full_rows"] = attendout.full_row_rates(raw)   # rows with every key masked
+    by_key = attendout.masked_by_key(raw)                # where the masks fall (dense only)
+    if by_key is not None:
+        parts["masked_by_key"] = by_key
     return loss + keep, parts
 
 def task_loss(logits, labels, regression=False):         # methods.md §1
@@ -592,11 +683,12 @@ def log_step(r, step, numbers, meter):
     rate = meter["seen"] / max(now - meter["t_last"], 1e-9)              # examples per second
     meter["seen"] = 0
     meter["t_last"] = now
-    append_jsonl(r.paths["log.jsonl"], {"step": step, **numbers, "examples_per_s": rate})
+    logged = {k: v for k, v in numbers.items() if k != "masked_by_key"}   # droprates.jsonl's
+    append_jsonl(r.paths["log.jsonl"], {"step": step, **logged, "examples_per_s": rate})
     terms = [f"ce {numbers['ce']:.4f}"] if "ce" in numbers else []
     if "consistency" in numbers:                         # + alpha x consistency
-        name = "SAR" if r.args.sar > 0 else "R-Drop"
-        alpha = r.args.sar if r.args.sar > 0 else r.args.rdrop
+        name = "R-Drop" if r.args.rdrop > 0 else "SAR"
+        alpha = r.args.rdrop if r.args.rdrop > 0 else r.args.sar
         terms.append(f"{alpha:g} x {name} consistency {numbers['consistency']:.4f}")
     if "mask_consistency" in numbers:                    # + AttendOut's consistency
         terms.append(f"AttendOut consistency {numbers['mask_consistency']:.4f}")
@@ -709,6 +801,7 @@ def report(r):
     final = {"task": args.task, "metric": name, **first, "dev_split": split,
              "dev_splits": r.state["dev"], "best_dev": best, "best_step": r.state["best_step"],
              "majority_baseline": majority, "steps": r.state["step"],
+             "masks_died": r.state["masks_died"],
              "wall_time_s": round(r.state["wall"], 2), "config": config, "args": flags}
     with open(r.paths["final.json"], "w") as f:
         json.dump(final, f, indent=1)
@@ -820,6 +913,8 @@ def append_jsonl(path, record):
 def restore(r, ckpt):
     r.optimizer.load_state_dict(ckpt["optimizer"])
     r.state.update(ckpt["train_state"])
+    if "micro" in r.state:                               # a checkpoint from before batch plans
+        r.state["batch"] = r.state.pop("micro") // r.args.grad_accum
     if len(ckpt["rng"]) != r.world:
         warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG "
              "streams change")

@@ -237,21 +237,26 @@ def span_loss(logits, labels, attention_mask):
 def loss(model, batch, args, task, tok):
     """The training loss (train.py's objective "span"): the span loss, with SAR / R-Drop if asked (logged apart as ce,
     consistency)."""
-    if args.sar > 0 or args.rdrop > 0:
-        total, ce, cons = sar_span_loss(model, batch, args.sar or args.rdrop, args.sar_shift if args.sar else 0)
-        return total, {"ce": ce.item(), "consistency": cons.item()}
+    if args.views == 2:                                                 # SAR's shifted view, or R-Drop's copy
+        shift_by = 0 if args.rdrop > 0 else args.sar_shift
+        total, ce, cons = sar_span_loss(model, batch, args.rdrop or args.sar, shift_by, args.ce)
+        return total, {"ce": ce.item(), "consistency": cons.item(), "loss": total.item()}
     logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])   # [B, L, 2]
     return span_loss(logits, batch["labels"], batch["attention_mask"]), {}
 
 
-def sar_span_loss(model, batch, alpha, shift_by):
-    """SAR for spans (methods.md §2.3): both topologies' span losses + alpha * the symmetric KL between their start
-    distributions and between their end distributions (over the real tokens), averaged. shift_by = 0: R-Drop."""
+def sar_span_loss(model, batch, alpha, shift_by, ce="all"):
+    """SAR for spans (methods.md §2.3): both topologies' span losses (ce="original": the original's alone) + alpha *
+    the symmetric KL between their start distributions and between their end distributions (over the real tokens),
+    averaged. shift_by = 0: R-Drop."""
     z1, z2 = sar.stacked_views(model, batch, second=shift_by)          # [B, L + s, 2] each
     mask = batch["attention_mask"]
     L = mask.size(1)
     z1, z2 = z1[:, :L], sar.unshift(z2, shift_by)                       # both [B, L, 2], the same positions
-    ce = 0.5 * (span_loss(z1, batch["labels"], mask) + span_loss(z2, batch["labels"], mask))
+    if ce == "original":
+        ce = span_loss(z1, batch["labels"], mask)
+    else:
+        ce = 0.5 * (span_loss(z1, batch["labels"], mask) + span_loss(z2, batch["labels"], mask))
     pad = ~mask.bool().unsqueeze(-1)
     z1, z2 = z1.float().masked_fill(pad, -1e4), z2.float().masked_fill(pad, -1e4)
     cons = 0.5 * (sar.consistency(z1[..., 0], z2[..., 0]) + sar.consistency(z1[..., 1], z2[..., 1]))

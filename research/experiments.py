@@ -150,6 +150,9 @@ SPARSE_ROWS = {             # the baseline first: HST without SAR
     "sparse": ["--attention", "sparse"],
     "hst+sar": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1"],
     "hst+rdrop": ["--attention", "hst", "--rdrop", "1.0"],
+    # SAR's parts (issue 43): the cross-entropy on the original view only; the shifted view without consistency
+    "hst+sar_ce_original": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1", "--ce", "original"],
+    "hst+views2": ["--attention", "hst", "--views", "2", "--sar", "0", "--sar-shift", "1"],
 }
 
 
@@ -808,11 +811,41 @@ def gnet_lr(a):
 
 
 # -----------------------------------------------------------------------------
+# SAR's cross-entropy views on the demo (issue 43): the full demo (`python train.py`: ListOps, HST + SAR + AttendOut)
+# with the cross-entropy on both clean views (R-Drop's form) against the original view only (the digest's words)
+
+SAR_CE_ROWS = {             # the baseline first
+    "ce_all": ["--ce", "all"],
+    "ce_original": ["--ce", "original"],
+}
+
+
+def sar_ce(a):
+    """The demo at each seed with each form; the dev accuracy of the last step, paired by seed."""
+    finals = collections.defaultdict(list)
+    for s in a.seeds:
+        for name in chosen(a, SAR_CE_ROWS):
+            out = os.path.join(a.out, f"demo-{name}-s{s}")
+            finals[name].append(run_train([*SAR_CE_ROWS[name], *a.extra, "--seed", str(s)], out, a))
+    if a.dry_run:
+        return
+    base = [dev_acc(f) for f in finals[next(iter(finals))]]
+    lines = ["| cross-entropy on | dev acc per seed (%) | dev acc (%) | paired difference, 95% CI (points) |",
+             "|---|---|---|---|"]
+    for name, fs in finals.items():
+        accs = [dev_acc(f) for f in fs]
+        per_seed = " / ".join(f"{100 * x:.1f}" for x in accs)
+        lines.append(f"| {name[3:]} | {per_seed} | {fmt(accs)} | {fmt_diff(base, accs)} |")
+    write_table(a, "results_sar_ce_demo", lines, f"Seeds {a.seeds}; every run the full demo (`python train.py "
+                "--seed S` with the row's --ce); the last step's dev accuracy.", dict(finals))
+
+
+# -----------------------------------------------------------------------------
 # The command line
 
 EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-long-probe": listops_long_probe,
                "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout, "lab": lab,
-               "gnet-lr": gnet_lr}
+               "gnet-lr": gnet_lr, "sar-ce": sar_ce}
 
 
 def main(argv=None):
