@@ -593,26 +593,94 @@ def plot_droprates(a):
 # The lab: generated tasks where the topology decides the answer (data.LAB; docs/results.md, "The lab")
 
 # One small model for every lab run: 2 x 64 from scratch, blocks of 8 (the tasks are built for b = 8), window 1, no
-# random blocks, no attention dropout (hidden dropout 0.1, Config's), lr 2e-3, batch 32, one evaluation at the
-# end. The layers and the window fix block-sparse attention's reach (reach_tokens), which the bound follows.
+# random blocks, hidden dropout 0.1 (Config's), lr 2e-3, batch 32, one evaluation at the end. The layers and the
+# window fix block-sparse attention's reach (reach_tokens), which the bound follows.
 LAB_MODEL = dict(layers=2, window=1, block=8)
 LAB_COMMON = ["--init", "scratch", "--layers", str(LAB_MODEL["layers"]), "--hidden", "64", "--heads", "4",
               "--ffn", "128", "--block-size", str(LAB_MODEL["block"]), "--window", str(LAB_MODEL["window"]),
-              "--num-random", "0", "--attn-dropout", "none", "--batch-size", "32",
-              "--lr", "2e-3", "--eval-every", "1000000", "--save-every", "0"]
-# The grid: (task, attention, global tokens, SAR's alpha, steps). reach: the three topologies without a global token
-# (the needle's only paths are the window and, under HST, the representatives), and sparse with [CLS] global (one
-# global token carries one needle); bottleneck: the usual global token, sparse against hst; boundary: block-sparse
-# trained on one topology, scored under every shift, without and with SAR.
-LAB_ROWS = [
-    ("lab-reach", "dense", 0, 0.0, 600),
-    ("lab-reach", "hst", 0, 0.0, 600),
-    ("lab-reach", "sparse", 0, 0.0, 600),
-    ("lab-reach", "sparse", 1, 0.0, 600),
-    ("lab-bottleneck", "hst", 1, 0.0, 2000),
-    ("lab-bottleneck", "sparse", 1, 0.0, 2000),
-    ("lab-boundary", "sparse", 0, 0.0, 600),
-    ("lab-boundary", "sparse", 0, 1.0, 600),
+              "--num-random", "0", "--batch-size", "32", "--lr", "2e-3", "--eval-every", "1000000",
+              "--save-every", "0"]
+# The G-Nets' peak rate the lab states for lab-shortcut (--gnet-lr): 1e-4 against the backbone's 2e-3. Chosen by
+# issue 43's probe before the grid ran: at 1e-4 AttendOut broke the shortcut at 5 seeds of 5, at 1e-5 at 1 of 3,
+# at the backbone's rate at 0 of 2; the grid shows the default (the backbone's rate) beside it.
+LAB_GNET_LR = 1e-4
+# A row's settings where it names none: block-sparse without a global token, one view (CE on it), no SAR, no
+# attention dropout, 600 steps. views 2: SAR's shifted second view (--sar-shift 1) at consistency weight `sar`,
+# the cross-entropy on both views (ce "all") or on the original alone (ce "original").
+LAB_ROW = dict(attention="sparse", num_global=0, views=1, ce="all", sar=0.0, attn_dropout="none", gnet_lr=None,
+               steps=600)
+
+
+def lab_name(row):
+    """A row's run-folder name (its seed appended): the task without "lab-", the topology, and each setting that
+    differs from LAB_ROW's."""
+    name = f"{row['task'][4:]}-{row['attention']}-g{row['num_global']}"
+    if row["views"] == 2:
+        name += f"-views2-ce{row['ce']}-sar{row['sar']:g}"
+    if row["attn_dropout"] != "none":
+        name += f"-{row['attn_dropout']}"
+    if row["gnet_lr"] is not None:
+        name += f"-gnetlr{row['gnet_lr']:g}"
+    return name
+
+
+# lab-shortcut's AttendOut row at the lab's G-Net rate; the scheduled row replays its droprates.jsonl
+SHORTCUT_ATTENDOUT = {**LAB_ROW, "task": "lab-shortcut", "attention": "dense", "attn_dropout": "attendout",
+                      "gnet_lr": LAB_GNET_LR, "steps": 1000}
+# The grid, in the order a seed runs it (a scheduled row after the row it replays). reach: the three topologies
+# without a global token (the needle's only paths are the window and, under HST, the representatives), and sparse
+# with [CLS] global; bottleneck: the usual global token, sparse against hst; boundary: block-sparse trained on one
+# topology, scored under every shift, with one view and with SAR's two views split into their parts (the second
+# view's CE, the consistency term); shortcut: dense attention under each attention-dropout method.
+LAB_ROWS = [{**LAB_ROW, **row} for row in [
+    dict(task="lab-reach", attention="dense"),
+    dict(task="lab-reach", attention="hst"),
+    dict(task="lab-reach"),
+    dict(task="lab-reach", num_global=1),
+    dict(task="lab-bottleneck", attention="hst", num_global=1, steps=2000),
+    dict(task="lab-bottleneck", num_global=1, steps=2000),
+    dict(task="lab-boundary"),
+    dict(task="lab-boundary", views=2, ce="all", sar=0.0),
+    dict(task="lab-boundary", views=2, ce="all", sar=1.0),
+    dict(task="lab-boundary", views=2, ce="original", sar=0.0),
+    dict(task="lab-boundary", views=2, ce="original", sar=1.0),
+    dict(task="lab-shortcut", attention="dense", steps=1000),
+    dict(task="lab-shortcut", attention="dense", attn_dropout="standard", steps=1000),
+    SHORTCUT_ATTENDOUT,
+    dict(task="lab-shortcut", attention="dense", attn_dropout="scheduled", steps=1000,
+         schedule=lab_name(SHORTCUT_ATTENDOUT)),
+    dict(task="lab-shortcut", attention="dense", attn_dropout="attendout", steps=1000),
+]]
+# Seeds per task when --seeds is not given: 3, and 5 for the shortcut (its targets count seeds).
+LAB_SEEDS = {task: [0, 1, 2] for task in data.LAB}
+LAB_SEEDS["lab-shortcut"] = [0, 1, 2, 3, 4]
+LAB_SHORTCUT_TOKEN = 1          # lab-shortcut's first letter, after [CLS] (data.lab_shortcut)
+
+# The contrasts the targets name: (task, what, baseline row, its field, row, its field), each the paired difference
+# row - baseline over the seeds both ran. "drop" is a boundary run's dev accuracy minus its mean over the shifts.
+BOUNDARY = "boundary-sparse-g0"
+LAB_CONTRASTS = [
+    ("reach", "hst - sparse (no global token)", "reach-sparse-g0", "dev_acc", "reach-hst-g0", "dev_acc"),
+    ("reach", "sparse - its bound", "reach-sparse-g0", "bound", "reach-sparse-g0", "dev_acc"),
+    ("bottleneck", "hst - sparse (one global token)", "bottleneck-sparse-g1", "dev_acc", "bottleneck-hst-g1",
+     "dev_acc"),
+    ("boundary", "drop: the second view's CE (alpha 0, CE on both - CE on the original)",
+     f"{BOUNDARY}-views2-ceoriginal-sar0", "drop", f"{BOUNDARY}-views2-ceall-sar0", "drop"),
+    ("boundary", "drop: the consistency term, CE on the original (alpha 1 - alpha 0)",
+     f"{BOUNDARY}-views2-ceoriginal-sar0", "drop", f"{BOUNDARY}-views2-ceoriginal-sar1", "drop"),
+    ("boundary", "drop: the consistency term, CE on both (alpha 1 - alpha 0)",
+     f"{BOUNDARY}-views2-ceall-sar0", "drop", f"{BOUNDARY}-views2-ceall-sar1", "drop"),
+    ("boundary", "drop: SAR as the lab ran it before (CE on both, alpha 1) - one view",
+     BOUNDARY, "drop", f"{BOUNDARY}-views2-ceall-sar1", "drop"),
+    ("shortcut", "attendout - none", "shortcut-dense-g0", "dev_acc", lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
+    ("shortcut", "attendout - standard", "shortcut-dense-g0-standard", "dev_acc", lab_name(SHORTCUT_ATTENDOUT),
+     "dev_acc"),
+    ("shortcut", "attendout - scheduled (its own rates, random pairs)", "shortcut-dense-g0-scheduled", "dev_acc",
+     lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
+    ("shortcut", "attendout, G-Nets at the backbone's rate (default) - none", "shortcut-dense-g0", "dev_acc",
+     "shortcut-dense-g0-attendout", "dev_acc"),
+    ("shortcut", f"attendout, G-Nets at {LAB_GNET_LR:g} - at the default", "shortcut-dense-g0-attendout",
+     "dev_acc", lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
 ]
 
 
@@ -641,7 +709,12 @@ def reach_tokens(layers, window, block):
 
 def reach_bound(task, texts, labels, reach):
     """The dev accuracy a receptive field of `reach` tokens allows: every example whose evidence (data.lab_evidence)
-    lies within it right, the others at the best constant guess among them (their commonest label)."""
+    lies within it right, the others at the best constant guess among them (their commonest label). A task where no
+    single token decides (bottleneck, shortcut) has no such bound: an error that says so."""
+    kind, spec = data.lab_kind(task)
+    if kind.evidence is None:
+        raise data.DataError(f"reach_bound: {task} has no receptive-field bound (no single token decides a "
+                             f"{spec['kind']} text)")
     far = [y for t, y in zip(texts, labels) if data.lab_evidence(task, t) >= reach]
     best_guess = max(collections.Counter(far).values(), default=0)
     return (len(labels) - len(far) + best_guess) / len(labels)
@@ -653,95 +726,143 @@ def read_lab_dev(folder):
     return [r[1] for r in records], [int(r[3]) for r in records]
 
 
-def lab_name(task, attention, g, alpha):
-    return f"{task[4:]}-{attention}-g{g}" + ("-sar" if alpha else "")
+def lab_flags(row, folder, out_dir, seed):
+    """train.py's flags for one run of a row (--out and --threads are run_train's)."""
+    flags = ["--task", row["task"], "--data", folder, *LAB_COMMON, "--max-steps", str(row["steps"]),
+             "--attention", row["attention"], "--num-global", str(row["num_global"]), "--views", str(row["views"]),
+             "--ce", row["ce"], "--sar", str(row["sar"]), "--attn-dropout", row["attn_dropout"]]
+    if row["gnet_lr"] is not None:
+        flags += ["--gnet-lr", str(row["gnet_lr"])]
+    if row.get("schedule"):                              # the replayed run's rates, same seed
+        flags += ["--schedule", os.path.join(out_dir, f"{row['schedule']}-s{seed}", "droprates.jsonl")]
+    if row["task"] == "lab-boundary":
+        flags += ["--eval-shift", "all"]
+    return flags + ["--seed", str(seed)]
+
+
+def shortcut_masking(folder):
+    """What an AttendOut run's G-Nets masked: from droprates.jsonl's "masked_by_key" (the share of a step's masked
+    pairs whose key is at each position, per layer), the share on the shortcut token (LAB_SHORTCUT_TOKEN) at each
+    logged step. {"step_frac": [f, ...], "share": [[layer 1, layer 2, ..], ...]}; None if the log has no such
+    field."""
+    lines = [r for r in read_jsonl(os.path.join(folder, "droprates.jsonl")) if "masked_by_key" in r]
+    if not lines:
+        return None
+    return {"step_frac": [r["step_frac"] for r in lines],
+            "share": [[layer[LAB_SHORTCUT_TOKEN] if layer else 0.0 for layer in r["masked_by_key"]] for r in lines]}
+
+
+def lab_record(row, seed, final, folder):
+    """One run's line of lab.json, accuracies in percent: the row's settings, the dev accuracy, the scores under
+    shifted topologies (mean, worst, by shift; drop = dev - mean), the receptive field's bound (block-sparse without
+    a global token) and, for lab-shortcut's AttendOut runs, what the G-Nets masked (shortcut_masking)."""
+    dev = dev_metrics(final)
+    bound = None
+    if row["attention"] == "sparse" and row["num_global"] == 0:      # the receptive field decides what it can know
+        cfg = final["config"]
+        reach = reach_tokens(cfg["num_layers"], cfg["window"], cfg["block_size"])
+        bound = 100 * reach_bound(row["task"], *read_lab_dev(lab_data(row["task"])), reach)
+    shifted = dev.get("shift")
+    record = {"row": lab_name(row), "task": row["task"], "attention": row["attention"],
+              "num_global": row["num_global"], "sar": row["sar"], "views": row["views"], "ce": row["ce"],
+              "attn_dropout": row["attn_dropout"], "gnet_lr": row["gnet_lr"], "steps": row["steps"], "seed": seed,
+              "dev_acc": 100 * dev["acc"],
+              "shifted_mean": 100 * shifted["mean"]["acc"] if shifted else None,
+              "shifted_worst": 100 * shifted["worst"]["acc"] if shifted else None,
+              "shifted_by": {s: 100 * m["acc"] for s, m in shifted["by"].items()} if shifted else None,
+              "drop": 100 * (dev["acc"] - shifted["mean"]["acc"]) if shifted else None,
+              "bound": bound, "wall_time_s": final["wall_time_s"]}
+    if row["task"] == "lab-shortcut" and row["attn_dropout"] == "attendout":
+        record["shortcut_masking"] = shortcut_masking(folder)
+    return record
 
 
 def lab(a):
-    """The lab's grid (LAB_ROWS; --quick: the reach rows at the first seed), seed-major and resumable, into --out:
-    a run folder each, lab.json ({"runs": [...]}, accuracies in percent) and lab.md (the table and the contrasts)."""
-    rows = [r for r in LAB_ROWS if r[0] == "lab-reach"] if a.quick else LAB_ROWS
-    seeds = a.seeds[:1] if a.quick else a.seeds
+    """The lab's grid (LAB_ROWS of --tasks; --quick: the reach rows at the first seed), seed-major and resumable,
+    into --out: a run folder each, lab.json ({"runs": [...]}, accuracies in percent) and lab.md (the tables)."""
+    rows = [row for row in LAB_ROWS if row["task"] in a.tasks]
+    seeds = {task: a.seeds or LAB_SEEDS[task] for task in a.tasks}
+    if a.quick:
+        seeds = {task: seeds[task][:1] for task in seeds}
     t0 = time.time()
-    runs, walls = [], collections.defaultdict(list)
-    for s in seeds:
-        for task, attention, g, alpha, steps in rows:
-            folder = lab_data(task) if not a.dry_run else os.path.join("data", task)
-            out = os.path.join(a.out, f"{lab_name(task, attention, g, alpha)}-s{s}")
-            shift = ["--eval-shift", "all"] if task == "lab-boundary" else []
-            flags = ["--task", task, "--data", folder, *LAB_COMMON, "--max-steps", str(steps), "--attention",
-                     attention, "--num-global", str(g), "--sar", str(alpha), *shift, *a.extra, "--seed", str(s)]
-            f = run_train(flags, out, a)
-            if f is None:
+    runs = []
+    for s in sorted(set(sum(seeds.values(), []))):
+        for row in rows:
+            if s not in seeds[row["task"]]:
                 continue
-            dev = dev_metrics(f)
-            bound = None
-            if attention == "sparse" and g == 0:         # the receptive field decides what it can know
-                cfg = f["config"]
-                reach = reach_tokens(cfg["num_layers"], cfg["window"], cfg["block_size"])
-                bound = 100 * reach_bound(task, *read_lab_dev(folder), reach)
-            shifted = dev.get("shift")
-            runs.append({"task": task, "attention": attention, "num_global": g, "sar": alpha, "seed": s,
-                         "dev_acc": 100 * dev["acc"],
-                         "shifted_mean": 100 * shifted["mean"]["acc"] if shifted else None,
-                         "shifted_worst": 100 * shifted["worst"]["acc"] if shifted else None,
-                         "bound": bound})
-            walls[(task, attention, g, alpha)].append(f["wall_time_s"])
+            folder = lab_data(row["task"]) if not a.dry_run else os.path.join("data", row["task"])
+            out = os.path.join(a.out, f"{lab_name(row)}-s{s}")
+            final = run_train(lab_flags(row, folder, a.out, s) + a.extra, out, a)
+            if final is not None:
+                runs.append(lab_record(row, s, final, out))
     if a.dry_run:
         return
     with open(os.path.join(a.out, "lab.json"), "w") as f:
         json.dump({"runs": runs}, f, indent=1)
-    text = lab_table(runs, walls, seeds) + f"\n\nCommand: `python research/experiments.py {' '.join(a.argv)}` " \
+    text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {' '.join(a.argv)}` " \
         f"({time.time() - t0:.0f}s here, runs already done skipped). Every run: `python train.py` with " \
-        f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --sar and --max-steps " \
-        f"(steps column); data: data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.\n"
+        f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --views, --ce, --sar, " \
+        f"--attn-dropout, --gnet-lr and --max-steps (steps column); lab-boundary adds --eval-shift all; data: " \
+        f"data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.\n"
     with open(os.path.join(a.out, "lab.md"), "w") as f:
         f.write(text)
     print("\n" + text)
 
 
-def lab_table(runs, walls, seeds):
-    """lab.md's table: a row per (task, attention, global tokens, SAR), per-seed accuracies, mean +- std, shifted
-    scores and bound; then the contrasts the targets name, paired by seed with 95% t-intervals."""
-    by_row = collections.defaultdict(dict)                # row -> seed -> run
+def lab_table(runs):
+    """lab.md: a row per LAB_ROWS row that ran (per-seed accuracies, mean +- std, the scores under shifts with the
+    drop's 95% interval, the bound, time per run); the contrasts (LAB_CONTRASTS) paired by seed with 95%
+    t-intervals; the boundary rows' accuracy by shift; what lab-shortcut's G-Nets masked."""
+    by_row = collections.defaultdict(dict)                # row name -> seed -> run
     for r in runs:
-        by_row[(r["task"], r["attention"], r["num_global"], r["sar"])][r["seed"]] = r
-    steps = {row[:4]: row[4] for row in LAB_ROWS}
-    col = lambda row, key: [by_row[row][s][key] / 100 if by_row[row][s][key] is not None else None
-                            for s in seeds if s in by_row[row]]
-    show = lambda xs: fmt(xs) if xs and None not in xs else "-"
-    lines = ["| task | attention | global tokens | SAR alpha | steps | dev acc per seed (%) | dev acc (%) "
-             "| shifted, mean over s (%) | shifted, worst s (%) | bound of the receptive field (%) "
-             "| time per run (s) |",
-             "|---" * 11 + "|"]
-    for row in by_row:
-        per_seed = " / ".join(f"{x * 100:.1f}" for x in col(row, "dev_acc"))
-        lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {row[3]:g} | {steps[row]} | {per_seed} "
-                     f"| {show(col(row, 'dev_acc'))} | {show(col(row, 'shifted_mean'))} "
-                     f"| {show(col(row, 'shifted_worst'))} | {show(col(row, 'bound'))} "
-                     f"| {statistics.mean(walls[row]):.0f} |")
+        by_row[r["row"]][r["seed"]] = r
+    col = lambda name, key, seeds=None: [by_row[name][s][key] / 100 for s in (seeds or by_row[name])
+                                         if by_row[name][s][key] is not None]
+    show = lambda xs: fmt(xs) if xs else "-"
+    lines = ["| task | attention | global tokens | views | CE on | SAR alpha | attention dropout | G-Net lr | steps "
+             "| dev acc per seed (%) | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
+             "| drop: dev - shifted mean, 95% CI (points) | bound of the receptive field (%) | time per run (s) |",
+             "|---" * 16 + "|"]
+    for name, by_seed in by_row.items():
+        r = next(iter(by_seed.values()))
+        per_seed = " / ".join(f"{x * 100:.1f}" for x in col(name, "dev_acc"))
+        drop = col(name, "drop")
+        lines.append(f"| {r['task']} | {r['attention']} | {r['num_global']} | {r['views']} "
+                     f"| {'both' if r['ce'] == 'all' else 'original'} | {r['sar']:g} | {r['attn_dropout']} "
+                     f"| {'-' if r['gnet_lr'] is None else format(r['gnet_lr'], 'g')} | {r['steps']} | {per_seed} "
+                     f"| {show(col(name, 'dev_acc'))} | {show(col(name, 'shifted_mean'))} "
+                     f"| {show(col(name, 'shifted_worst'))} | {fmt_diff([0.0] * len(drop), drop) if drop else '-'} "
+                     f"| {show(col(name, 'bound'))} "
+                     f"| {statistics.mean(x['wall_time_s'] for x in by_seed.values()):.0f} |")
     contrasts = []
-    acc = lambda *row: col(row, "dev_acc")
-    if ("lab-reach", "hst", 0, 0.0) in by_row and ("lab-reach", "sparse", 0, 0.0) in by_row:
-        sparse, hst = acc("lab-reach", "sparse", 0, 0.0), acc("lab-reach", "hst", 0, 0.0)
-        bound = col(("lab-reach", "sparse", 0, 0.0), "bound")
-        contrasts += [("reach", "hst - sparse (no global token)", fmt_diff(sparse, hst)),
-                      ("reach", "sparse - its bound", fmt_diff(bound, sparse))]
-    if ("lab-bottleneck", "hst", 1, 0.0) in by_row and ("lab-bottleneck", "sparse", 1, 0.0) in by_row:
-        contrasts.append(("bottleneck", "hst - sparse (one global token)",
-                          fmt_diff(acc("lab-bottleneck", "sparse", 1, 0.0), acc("lab-bottleneck", "hst", 1, 0.0))))
-    if ("lab-boundary", "sparse", 0, 0.0) in by_row and ("lab-boundary", "sparse", 0, 1.0) in by_row:
-        drops = {}
-        for alpha in (0.0, 1.0):
-            row = ("lab-boundary", "sparse", 0, alpha)
-            drops[alpha] = [x - y for x, y in zip(col(row, "dev_acc"), col(row, "shifted_mean"))]
-            zero = [0.0] * len(drops[alpha])
-            contrasts.append(("boundary", f"drop under shift (dev - shifted mean), SAR alpha {alpha:g}",
-                              fmt_diff(zero, drops[alpha])))
-        contrasts.append(("boundary", "drop with SAR - drop without", fmt_diff(drops[0.0], drops[1.0])))
+    for task, what, base, base_key, name, key in LAB_CONTRASTS:
+        seeds = [s for s in by_row[base] if s in by_row[name]] if base in by_row and name in by_row else []
+        if seeds:
+            contrasts.append(f"| {task} | {what} | {fmt_diff(col(base, base_key, seeds), col(name, key, seeds))} |")
     if contrasts:
-        lines += ["", "| task | contrast | paired difference, 95% CI (points) |", "|---|---|---|",
-                  *[f"| {t} | {c} | {d} |" for t, c, d in contrasts]]
+        lines += ["", "| task | contrast | paired difference, 95% CI (points) |", "|---|---|---|", *contrasts]
+    shifted = [name for name in by_row if next(iter(by_row[name].values()))["shifted_by"]]
+    if shifted:
+        shifts = list(next(iter(by_row[shifted[0]].values()))["shifted_by"])
+        lines += ["", "| row | dev acc under shift s = " + " / ".join(shifts) + " (%, mean over seeds) |",
+                  "|---|---|"]
+        for name in shifted:
+            by = [statistics.mean(r["shifted_by"][s] for r in by_row[name].values()) for s in shifts]
+            lines.append(f"| {name} | {' / '.join(f'{x:.1f}' for x in by)} |")
+    masked = [r for r in runs if r.get("shortcut_masking")]
+    if masked:
+        points = (0.1, 0.25, 0.5, 1.0)
+        lines += ["", "| row | seed | dev acc (%) | layer | masked pairs on the shortcut token, over its share of "
+                  "all pairs (1/64), at 10% / 25% / 50% / 100% of training | mean over training |",
+                  "|---" * 6 + "|"]
+        for r in masked:
+            m = r["shortcut_masking"]
+            at = [next(i for i, f in enumerate(m["step_frac"]) if f >= p - 1e-9) for p in points]
+            for layer in range(len(m["share"][0])):
+                ratios = [64 * m["share"][i][layer] for i in at]
+                mean = 64 * statistics.mean(share[layer] for share in m["share"])
+                lines.append(f"| {r['row']} | {r['seed']} | {r['dev_acc']:.1f} | {layer + 1} "
+                             f"| {' / '.join(f'{x:.2f}' for x in ratios)} | {mean:.2f} |")
     return "\n".join(lines)
 
 
@@ -851,7 +972,8 @@ EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-l
 def main(argv=None):
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=list(EXPERIMENTS))
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (pretrained-attendout: 0-4)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="default: 0 1 2 (pretrained-attendout: 0-4; lab: each task's LAB_SEEDS, lab-shortcut 0-4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads)")
     ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT); lab: also lab.json")
     ap.add_argument("--tables", default=os.path.join("out", "tables"), help="where the tables and figures go")
@@ -868,16 +990,24 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs, run nothing")
     ap.add_argument("--candidates", action="store_true", help="listops-long: the candidate sizes' learning curves")
     ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed alone")
+    ap.add_argument("--tasks", nargs="+", default=None, help="lab: only these tasks' rows (default: all of data.LAB)")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
-    if a.seeds is None:
+    if a.seeds is None and a.experiment != "lab":         # the lab's tasks each have their own (LAB_SEEDS)
         a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]
     a.out = a.out or os.path.join("out", "listops-long" if a.experiment == "listops-long-probe" else a.experiment)
     if a.candidates and a.experiment != "listops-long":
         fail("--candidates: only for listops-long")
     if a.quick and a.experiment != "lab":
         fail("--quick: only for lab")
+    if a.tasks is not None and a.experiment != "lab":
+        fail("--tasks: only for lab")
+    if a.experiment == "lab":
+        unknown = [t for t in a.tasks or [] if t not in data.LAB]
+        if unknown:
+            fail(f"--tasks {' '.join(unknown)}: not a lab task (known: {', '.join(data.LAB)})")
+        a.tasks = a.tasks or (["lab-reach"] if a.quick else list(data.LAB))
     if a.experiment.startswith("pretrained") or a.experiment == "gnet-lr":
         if a.init is None:
             fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
@@ -885,7 +1015,7 @@ def main(argv=None):
             fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
     if a.threads < 1:
         fail(f"--threads {a.threads}: must be >= 1")
-    if not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds):
+    if a.seeds is not None and (not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds)):
         fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)

@@ -3,8 +3,10 @@ sparse.dense_mask, and the grid's commands (--dry-run, --quick).
 
 Run: python -m pytest -q research/tests/test_lab_grid.py
 """
+import json
 import os
 
+import pytest
 import torch
 
 import data
@@ -46,40 +48,143 @@ def test_bound_matches_reachability_through_the_mask():
     assert reached(spec["length"], 1, **{**pattern, "num_global": 1}).all()
 
 
+def test_no_bound_without_a_deciding_token():
+    """A task where no single token decides (bottleneck, shortcut) has no receptive-field bound: an error."""
+    rows = data.generate_lab("lab-shortcut", 20, seed=0)
+    texts, labels = [t for t, _ in rows], [y for _, y in rows]
+    with pytest.raises(data.DataError, match="lab-shortcut has no receptive-field bound"):
+        experiments.reach_bound("lab-shortcut", texts, labels, 24)
+
+
 def commands(capfd):
+    """The --out folder and the flags of every command a --dry-run printed."""
     out = capfd.readouterr().out
-    return [line.split(" --out ")[1].split()[0] for line in out.splitlines() if line.startswith("$ ")]
+    lines = [line for line in out.splitlines() if line.startswith("$ ")]
+    return [(line.split(" --out ")[1].split()[0], line) for line in lines]
 
 
 def test_dry_run_prints_the_grid(tmp_path, capfd):
+    """Every row at its task's seeds (LAB_SEEDS: the shortcut at 0-4), seed-major; --quick: the reach rows at the
+    first seed."""
     out = str(tmp_path / "lab")
     experiments.main(["lab", "--dry-run", "--out", out])
-    runs = commands(capfd)
-    names = [experiments.lab_name(*row[:4]) for row in experiments.LAB_ROWS]
-    assert runs == [os.path.join(out, f"{n}-s{s}") for s in (0, 1, 2) for n in names]
+    runs = [folder for folder, _ in commands(capfd)]
+    expect = [os.path.join(out, f"{experiments.lab_name(row)}-s{s}") for s in range(5)
+              for row in experiments.LAB_ROWS if s in experiments.LAB_SEEDS[row["task"]]]
+    assert runs == expect and len(runs) == 11 * 3 + 5 * 5
     assert not os.path.exists(os.path.join(out, "lab.json"))                   # nothing ran
     experiments.main(["lab", "--dry-run", "--quick", "--seeds", "4", "--out", out])
-    quick = commands(capfd)
+    quick = [folder for folder, _ in commands(capfd)]
     assert quick == [os.path.join(out, f"reach-{v}-s4") for v in ("dense-g0", "hst-g0", "sparse-g0", "sparse-g1")]
+
+
+def test_tasks_picks_rows_through_the_parser(tmp_path, capfd):
+    """--tasks: those tasks' rows alone, each run's flags as its row says (views, CE, alpha, the replayed
+    schedule of the same seed); an unknown task is one error line."""
+    out = str(tmp_path / "lab")
+    experiments.main(["lab", "--dry-run", "--tasks", "lab-boundary", "lab-shortcut", "--seeds", "1", "--out", out])
+    runs = dict(commands(capfd))
+    names = [os.path.basename(folder) for folder in runs]
+    assert names == [f"{experiments.lab_name(row)}-s1" for row in experiments.LAB_ROWS
+                     if row["task"] in ("lab-boundary", "lab-shortcut")]
+    line = runs[os.path.join(out, "boundary-sparse-g0-views2-ceoriginal-sar1-s1")]
+    assert " --views 2 --ce original --sar 1.0 " in line and "--eval-shift all" in line
+    assert " --views 1 --ce all --sar 0.0 " in runs[os.path.join(out, "boundary-sparse-g0-s1")]
+    replay = os.path.join(out, "shortcut-dense-g0-attendout-gnetlr0.0001-s1", "droprates.jsonl")
+    scheduled = runs[os.path.join(out, "shortcut-dense-g0-scheduled-s1")]
+    assert f"--attn-dropout scheduled --schedule {replay} --seed 1" in scheduled
+    assert "--gnet-lr" not in runs[os.path.join(out, "shortcut-dense-g0-attendout-s1")]
+    with pytest.raises(SystemExit):
+        experiments.main(["lab", "--dry-run", "--tasks", "lab-boundary", "lab-xor", "--out", out])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["error: --tasks lab-xor: not a lab task (known: lab-reach, lab-bottleneck, lab-boundary, "
+                   "lab-shortcut)"]
+
+
+def fake_final(acc, shifted=None, config=None):
+    """A final.json as train.py writes it (flat, since issue 34): the dev accuracy, --eval-shift's scores."""
+    dev = {"acc": acc}
+    if shifted:
+        by = {str(s): {"acc": x} for s, x in enumerate(shifted, 1)}
+        dev["shift"] = {"by": by, "mean": {"acc": sum(shifted) / len(shifted)}, "worst": {"acc": min(shifted)}}
+    return {"acc": acc, "dev_splits": {"dev": dev}, "dev_split": "dev", "wall_time_s": 12.5, "config": config or {}}
+
+
+def test_record_fields(tmp_path, monkeypatch):
+    """lab.json's line of a run: the row's settings, the accuracies in percent, the drop under shift, the bound
+    beside block-sparse without a global token, and what the G-Nets masked on the shortcut token."""
+    folder = str(tmp_path / "boundary")
+    data.write_lab("lab-boundary", folder, n_train=10, n_dev=200)
+    monkeypatch.setattr(experiments, "lab_data", lambda task: folder)
+    name = "boundary-sparse-g0-views2-ceoriginal-sar1"
+    row = next(r for r in experiments.LAB_ROWS if experiments.lab_name(r) == name)
+    cfg = {"num_layers": 2, "window": 1, "block_size": 8}
+    record = experiments.lab_record(row, 2, fake_final(1.0, [0.5, 0.75] + [1.0] * 5, cfg), str(tmp_path))
+    assert {"task": "lab-boundary", "attention": "sparse", "num_global": 0, "sar": 1.0, "views": 2,
+            "ce": "original", "attn_dropout": "none", "seed": 2, "dev_acc": 100.0, "shifted_worst": 50.0,
+            "bound": 100.0}.items() <= record.items()
+    assert abs(record["shifted_mean"] - 100 * 6.25 / 7) < 1e-9 and abs(record["drop"] - 100 * 0.75 / 7) < 1e-9
+    assert record["shifted_by"]["2"] == 75.0
+    # the shortcut's AttendOut run: the share of masked pairs on token 1, layer by layer, per logged step
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 10, "step_frac": 0.5, "masked_by_key": [[0.0, 0.5, 0.5], [0.2, 0.1, 0.7]]},
+             {"step": 20, "step_frac": 1.0, "masked_by_key": [[0.1, 0.3, 0.6], []]}]      # [] nothing masked
+    (run / "droprates.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    record = experiments.lab_record(experiments.SHORTCUT_ATTENDOUT, 0, fake_final(0.9), str(run))
+    assert {"task": "lab-shortcut", "attention": "dense", "views": 1, "ce": "all", "attn_dropout": "attendout",
+            "gnet_lr": experiments.LAB_GNET_LR, "dev_acc": 90.0, "shifted_mean": None, "bound": None}.items() \
+        <= record.items()
+    assert record["shortcut_masking"] == {"step_frac": [0.5, 1.0], "share": [[0.5, 0.1], [0.3, 0.0]]}
+
+
+def synthetic_runs(seeds):
+    """A run per LAB_ROWS row and seed, as lab_record writes them: reach's sparse at 60-64%, the boundary's one
+    view and CE-original alpha 0 dropping by 40, the shortcut's none at 50%, attendout at 90 + seed."""
+    runs = []
+    for s in seeds:
+        for row in experiments.LAB_ROWS:
+            name = experiments.lab_name(row)
+            acc = 60.0 + 4 * s if name.startswith("reach-sparse-g0") else 100.0
+            drop = None
+            if row["task"] == "lab-boundary":
+                drop = 40.0 if row["sar"] == 0 and (row["views"] == 1 or row["ce"] == "original") else 2.0 * s
+            if row["task"] == "lab-shortcut":
+                acc = {"none": 50.0, "standard": 51.0, "scheduled": 52.0 + s}[row["attn_dropout"]] \
+                    if row["attn_dropout"] != "attendout" else 90.0 + s - 30 * (row["gnet_lr"] is None)
+            masking = {"step_frac": [0.1, 0.5, 1.0], "share": [[0.5, 0.25], [0.25, 0.125], [0.0, 1 / 64]]}
+            runs.append({"row": name, **{k: row[k] for k in ("task", "attention", "num_global", "sar", "views", "ce",
+                                                              "attn_dropout", "gnet_lr", "steps")},
+                         "seed": s, "dev_acc": acc, "shifted_mean": None if drop is None else acc - drop,
+                         "shifted_worst": None if drop is None else acc - drop - 1,
+                         "shifted_by": None if drop is None else {str(k): acc - drop for k in range(1, 8)},
+                         "drop": drop, "bound": 62.0 if name.startswith("reach-sparse-g0") else None,
+                         "wall_time_s": 30.0 + s,
+                         **({"shortcut_masking": masking} if row["attn_dropout"] == "attendout" else {})})
+    return runs
 
 
 def test_table_of_a_grid():
     """lab.md from lab.json's runs: nulls where nothing was scored, the bound beside block-sparse without a global
-    token, and the targets' contrasts paired by seed."""
-    runs = []
-    for s, (hi, lo) in enumerate([(100.0, 60.0), (98.0, 64.0)]):
-        for task, attention, g, alpha, _ in experiments.LAB_ROWS:
-            shifted = task == "lab-boundary"
-            acc = lo if attention == "sparse" and task != "lab-boundary" else hi
-            runs.append({"task": task, "attention": attention, "num_global": g, "sar": alpha, "seed": s,
-                         "dev_acc": acc, "shifted_mean": (acc - 40 + 38 * alpha) if shifted else None,
-                         "shifted_worst": (acc - 45 + 40 * alpha) if shifted else None,
-                         "bound": 62.0 if attention == "sparse" and g == 0 else None})
-    walls = {row[:4]: [30.0, 32.0] for row in experiments.LAB_ROWS}
-    table = experiments.lab_table(runs, walls, [0, 1])
-    assert "| lab-reach | dense | 0 | 0 | 600 | 100.0 / 98.0 | 99.0 +- 1.4 | - | - | - | 31 |" in table
-    assert "| lab-reach | sparse | 0 | 0 | 600 | 60.0 / 64.0 | 62.0 +- 2.8 | - | - | 62.0 +- 0.0 | 31 |" in table
-    assert "| reach | hst - sparse (no global token) | +37.0 [" in table
+    token, the drop's interval, the targets' contrasts paired by seed, the accuracy by shift, the masking table."""
+    table = experiments.lab_table(synthetic_runs([0, 1]))
+    assert "| lab-reach | dense | 0 | 1 | both | 0 | none | - | 600 | 100.0 / 100.0 | 100.0 +- 0.0 | - | - | - | - " \
+           "| 30 |" in table
+    assert "| lab-reach | sparse | 0 | 1 | both | 0 | none | - | 600 | 60.0 / 64.0 | 62.0 +- 2.8 | - | - | - " \
+           "| 62.0 +- 0.0 | 30 |" in table
+    assert "| lab-boundary | sparse | 0 | 2 | original | 0 | none | - | 600 | 100.0 / 100.0 | 100.0 +- 0.0 " \
+           "| 60.0 +- 0.0 | 59.0 +- 0.0 | +40.0 [+40.0, +40.0] | - | 30 |" in table
+    assert "| reach | hst - sparse (no global token) | +38.0 [" in table
     assert "| reach | sparse - its bound | +0.0 [" in table
-    assert "| boundary | drop under shift (dev - shifted mean), SAR alpha 0 | +40.0 [+40.0, +40.0] |" in table
-    assert "| boundary | drop with SAR - drop without | -38.0 [-38.0, -38.0] |" in table
+    assert "| boundary | drop: the second view's CE (alpha 0, CE on both - CE on the original) | -39.0 [" in table
+    assert "| boundary | drop: the consistency term, CE on the original (alpha 1 - alpha 0) | -39.0 [" in table
+    assert "| boundary | drop: the consistency term, CE on both (alpha 1 - alpha 0) | +0.0 [+0.0, +0.0] |" in table
+    assert "| shortcut | attendout - none | +40.5 [" in table
+    assert "| shortcut | attendout - scheduled (its own rates, random pairs) | +38.0 [+38.0, +38.0] |" in table
+    assert "| shortcut | attendout, G-Nets at 0.0001 - at the default | +30.0 [+30.0, +30.0] |" in table
+    assert "| boundary-sparse-g0 | 60.0 / 60.0 / 60.0 / 60.0 / 60.0 / 60.0 / 60.0 |" in table
+    assert "| shortcut-dense-g0-attendout-gnetlr0.0001 | 1 | 91.0 | 2 | 16.00 / 8.00 / 8.00 / 1.00 | 8.33 |" in table
+    # one seed: no intervals, and a subset of the tasks leaves the other tasks' contrasts out
+    one = experiments.lab_table([r for r in synthetic_runs([0]) if r["task"] == "lab-shortcut"])
+    assert "| shortcut | attendout - standard | +39.0 (one seed: no interval) |" in one
+    assert "reach" not in one and "boundary" not in one
