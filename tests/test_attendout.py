@@ -110,6 +110,28 @@ def test_a_fully_masked_row_is_unchanged():
     assert torch.allclose(out, A @ v, atol=5e-3)
 
 
+def test_full_rows_count_only_rows_with_every_real_key_masked():
+    """A row with one real key kept is not fully masked; a row whose real keys are all masked is, whatever the
+    G-Net says of the padding keys; padding query rows are not rows at all. And masked_by_key (dense): each key
+    position's share of the masked real pairs."""
+    B, L, d = 1, 5, 16
+    mod = ao.make_attn_dropout(tiny_config(attention="dense"), 0)
+    ao.begin_forward(torch.nn.ModuleList([mod]))
+    mask_fn = mod.hook(torch.randn(B, L, d))
+    real = torch.tensor([True, True, True, True, False])                 # key 4 is padding
+    valid = (real[:, None] & real[None, :])[None, None]                  # [1, 1, L, L]
+    G = -torch.ones(B, 1, L, L)                                          # mask every pair ...
+    G[0, 0, 0, 3] = 1.0                                                  # ... but row 0 keeps real key 3
+    G[0, 0, 1, 4] = 1.0                                                  # row 1 keeps only the padding key
+    mask_fn(torch.zeros(B, 2, L, L), valid, lambda a, c: G)
+    assert mod.full_row_rate() == pytest.approx(3 / 4)                   # rows 1, 2, 3 of the 4 real rows
+    assert mod.mask_rate() == pytest.approx(15 / 16)
+    shares = mod.masked_by_key()                                         # 15 masked: key 3 has 3 of them
+    assert shares == pytest.approx([4 / 15, 4 / 15, 4 / 15, 3 / 15, 0.0])
+    sparse_mod = ao.make_attn_dropout(tiny_config(attention="sparse"), 0)
+    assert sparse_mod.masked_by_key() is None                            # gathered blocks: no positions
+
+
 def test_gnet_reads_its_input_detached():
     mod = ao.make_attn_dropout(tiny_config(), 0)
     x = torch.randn(2, 5, 16, requires_grad=True)

@@ -111,6 +111,33 @@ def test_alpha_weighs_the_consistency_in_the_loss_train_py_optimises(method):
     assert parts["consistency"] == pytest.approx(sar.consistency(z0, z1).item(), rel=1e-6)
 
 
+def test_ce_and_views_flags_pick_the_views_the_labels_reach():
+    """--ce all (R-Drop's form): CE on both views; --ce original: on the original view alone, the shifted view
+    learning from the consistency term only; --views 2 at --sar 0: the shifted view runs, its consistency is
+    logged, and the loss is the CE alone; one view: no consistency at all."""
+    model = tiny("sparse", window=0, num_global=1).train()
+    b = batch()
+    task = data.TaskData(train=[], dev={}, num_labels=3, is_regression=False, metric_name="acc",
+                         label_names=["0", "1", "2"])
+    torch.manual_seed(0)
+    z0, z1 = sar.stacked_views(model, b, second=1)
+    ce0 = F.cross_entropy(z0, b["labels"]).item()
+    ce1 = F.cross_entropy(z1, b["labels"]).item()
+    cons = sar.consistency(z0, z1).item()
+    assert cons > 1e-6 and abs(ce0 - ce1) > 1e-4           # the views differ, so the forms differ
+    for flags, ce, alpha in ((["--sar", "1", "--ce", "all"], 0.5 * (ce0 + ce1), 1.0),
+                             (["--sar", "1", "--ce", "original"], ce0, 1.0),
+                             (["--views", "2"], 0.5 * (ce0 + ce1), 0.0),
+                             (["--views", "2", "--ce", "original"], ce0, 0.0)):
+        torch.manual_seed(0)
+        loss, parts = train.classify_loss(model, b, train_args(*flags), task, None)
+        assert parts["ce"] == pytest.approx(ce, rel=1e-6), flags
+        assert parts["consistency"] == pytest.approx(cons, rel=1e-5), flags
+        assert loss.item() == pytest.approx(ce + alpha * cons, rel=1e-6), flags
+    loss, parts = train.classify_loss(model, b, train_args(), task, None)
+    assert "consistency" not in parts and train_args().views == 1
+
+
 def test_stacked_views_put_the_masked_view_last_on_the_original_topology():
     """SAR with AttendOut: views [original, shifted, masked]; the masked view is a copy of the ORIGINAL (a G-Net
     that keeps every pair leaves it equal to view 1), not of the shifted view (which differs on a sparse model)."""

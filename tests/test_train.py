@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -333,12 +334,14 @@ def test_gnet_tau_flag_reaches_the_optimised_loss(listops_dir, tmp_path):
     assert one["gnet_grad_norm"] != half["gnet_grad_norm"]              # tau reaches the optimised loss
 
 
-def test_step_line_adds_up(listops_dir, tmp_path, capsys):
+@pytest.mark.parametrize("accum", ["1", "4"])
+def test_step_line_adds_up(listops_dir, tmp_path, capsys, accum):
     """Each step line's loss is the sum of its printed terms (the backbone's loss, within rounding), the G-Nets'
-    keep reward comes after it on its own, and log.jsonl keeps the two apart."""
+    keep reward comes after it on its own, and log.jsonl keeps the two apart. Under --grad-accum every term is the
+    micro-batches' mean, as the loss is."""
     train.main(["--data", listops_dir, "--out", str(tmp_path), "--max-steps", "10", "--log-every", "2",
                 "--eval-every", "0", *TINY, "--attention", "hst", "--block-size", "4", "--attn-dropout", "attendout",
-                "--sar", "1"])
+                "--sar", "1", "--grad-accum", accum])
     lines = [x for x in capsys.readouterr().out.splitlines() if re.match(r"step \d+/", x)]
     assert len(lines) == 5
     for line in lines:
@@ -350,6 +353,72 @@ def test_step_line_adds_up(listops_dir, tmp_path, capsys):
         assert float(m.group(3)) == pytest.approx(0.25 * float(m.group(4)), abs=0.05), line
     log = [r for r in read_log(tmp_path) if "loss" in r]
     assert all(r["loss"] < 10 and r["keep"] == pytest.approx(0.25 * r["kept"]) for r in log)
+
+
+def test_grad_accum_trains_the_same_examples_to_the_same_weights(tmp_path):
+    """--batch-size 32 at --grad-accum 4 and at 1, every dropout off: the same seed plans the same batches of 32 and
+    every example weighs the same in its step, so the first steps log the same losses and one step leaves the same
+    weights (float tolerance: the micro-batches are padded to their own longest). 70 examples: the epoch's short
+    batch of 6 is cut into micro-batches of 2, 2, 1 and 1, and is among the three steps."""
+    listops_dir = str(tmp_path / "data")
+    data.write_listops(listops_dir, 70, 16, 4, min_len=5, max_len=30, seed=0, max_depth=3, max_args=3)
+    off = [*TINY, "--attn-dropout", "none", "--hidden-dropout-p", "0", "--batch-size", "32"]
+    losses = {}
+    weights = {}
+    for accum in ("1", "4"):
+        out = tmp_path / accum
+        train.main(["--data", listops_dir, "--out", str(out), "--max-steps", "3", "--log-every", "1", *off,
+                    "--grad-accum", accum])
+        losses[accum] = [line["loss"] for line in read_log(out) if "loss" in line]
+        r = train.setup(train_args("--data", listops_dir, "--out", str(tmp_path / f"w{accum}"), *off,
+                                   "--grad-accum", accum))
+        train.train_step(r, train.epoch_batches(r, 0), 1, {"seen": 0})
+        weights[accum] = r.raw.state_dict()
+    assert len(losses["1"]) == 3
+    assert losses["4"] == pytest.approx(losses["1"], rel=1e-4)
+    for name, w in weights["1"].items():
+        assert torch.allclose(weights["4"][name], w, atol=1e-6), name
+    assert train.micro_batches(list(range(10)), 4, 1) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert train.micro_batches([0, 1, 2], 4, 2) == [[0, 1, 2]]            # short: a row for each process
+
+
+def test_warning_when_the_masks_die(monkeypatch):
+    """The masking rate averaged over the layers, then over the last MASKS_DEAD_STEPS steps: under
+    MASKS_DEAD_RATE it warns once, naming --gnet-lr, and keeps the step for final.json."""
+    warnings = []
+    monkeypatch.setattr(train, "warn", warnings.append)
+    r = train.Run()
+    r.args = train_args("--attn-dropout", "attendout", "--lr", "1e-4")
+    r.raw = types.SimpleNamespace(cfg=types.SimpleNamespace(gnet_lr=None))
+    r.state = {"mask_means": [], "masks_died": None}
+    living = [[0.9, 0.9]] * 20                                                # one in the window: 3.2%
+    dying = [[0.03, float("nan")]] * 10 + [[0.01, 0.01]] * (train.MASKS_DEAD_STEPS - 10)
+    for step, rates in enumerate(living + dying, 1):
+        train.watch_masks(r, step, rates)
+        if step < len(living + dying):
+            assert not warnings, step
+    assert r.state["masks_died"] == len(living + dying)
+    assert len(warnings) == 1 and "--gnet-lr (now 0.0001)" in warnings[0] and "1.4%" in warnings[0]
+    for step in range(len(living + dying) + 1, len(living + dying) + 20):
+        train.watch_masks(r, step, [0.0, 0.0])
+    assert len(warnings) == 1 and r.state["masks_died"] == len(living + dying)        # once
+    assert len(r.state["mask_means"]) == train.MASKS_DEAD_STEPS
+
+
+@pytest.mark.parametrize("rate, died", [(1.01, 3), (0.0, None)])
+def test_dead_masks_reach_final_json(listops_dir, tmp_path, capfd, monkeypatch, rate, died):
+    """Through train.py: a threshold every rate is under warns at the window's end (one warning line, the step
+    in final.json); a threshold of 0 never does."""
+    monkeypatch.setattr(train, "MASKS_DEAD_RATE", rate)
+    monkeypatch.setattr(train, "MASKS_DEAD_STEPS", 3)
+    code, _, err = run_main(listops_args(listops_dir, tmp_path, steps=5) + ["--attn-dropout", "attendout"], capfd)
+    assert code == 0
+    with open(tmp_path / "final.json") as f:
+        assert json.load(f)["masks_died"] == died
+    if died:
+        only_line(err, "warning: ", "AttendOut's masks have died: over steps 1-3")
+    else:
+        assert err == []
 
 
 def test_parameter_groups_found_by_name(listops_dir, tmp_path):
@@ -400,6 +469,10 @@ def only_line(err, prefix, words):
     (["--attention", "sparse", "--block-size", "64"], "larger than the longest sequence"),
     (["--max-len", "8"], "were longer than --max-len 8 and were truncated"),
     (["--eval-shift", "all"], "--eval-shift with dense attention: shifting moves no block boundary"),
+    (["--attention", "sparse", "--block-size", "4", "--sar", "1", "--sar-shift", "8"],
+     "--sar-shift 8 is a multiple of --block-size 4"),
+    (["--attention", "sparse", "--block-size", "4", "--sar-shift", "2"], "--sar-shift: no effect"),
+    (["--ce", "original"], "--ce: no effect"),
 ])
 def test_warnings(listops_dir, tmp_path, capfd, extra, words):
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "w") + extra, capfd)
@@ -420,6 +493,9 @@ def test_errors_on_flags_and_lengths(listops_dir, tmp_path, capfd):
     code, _, err = run_main(listops_args(listops_dir, tmp_path / "b") + ["--sar", "1", "--rdrop", "1"], capfd)
     assert code == 2
     only_line(err, "error: ", "--sar and --rdrop are alternatives")
+    code, _, err = run_main(listops_args(listops_dir, tmp_path / "b") + ["--sar", "1", "--views", "1"], capfd)
+    assert code == 2
+    only_line(err, "error: ", "--views 1: --sar / --rdrop compare two views")
     sparse = ["--attention", "sparse", "--block-size", "8"]
     for bad, words in ((["--eval-shift", "8"], "--eval-shift 8: give 'all' or a shift in 0 .. 7 (--block-size 8"),
                        (["--eval-shift", "al"], "--eval-shift: al: give 'all' or a number of tokens"),
