@@ -182,12 +182,11 @@ class AttendOut(nn.Module):
             return math.nan
         return float(self.full_rows / self.rows)
 
-    # this layer's masked real pairs by key position, each position's share of them (dense only)
+    # this layer's masked real pairs by key position, each position's share of them [L] (dense only)
     def masked_by_key(self):
         if self.masked_keys is None:
             return None
-        total = self.masked_keys.sum().clamp(min=1.0)
-        return (self.masked_keys / total).tolist()
+        return self.masked_keys / self.masked_keys.sum().clamp(min=1.0)
 
     def extra_repr(self):
         return f"dim={self.gnet.dim}"
@@ -238,7 +237,7 @@ def masked_by_key(model):
     shares = [m.masked_by_key() for m in attendout_modules(model)]
     if any(share is None for share in shares):
         return None
-    return shares
+    return torch.stack(shares).tolist()                  # [layers, L], read off the device at once
 
 
 # A copy of state_dict without the G-Nets (every key with a 'gnet' component): export drops them.

@@ -126,7 +126,7 @@ def test_full_rows_count_only_rows_with_every_real_key_masked():
     mask_fn(torch.zeros(B, 2, L, L), valid, lambda a, c: G)
     assert mod.full_row_rate() == pytest.approx(3 / 4)                   # rows 1, 2, 3 of the 4 real rows
     assert mod.mask_rate() == pytest.approx(15 / 16)
-    shares = mod.masked_by_key()                                         # 15 masked: key 3 has 3 of them
+    shares = mod.masked_by_key().tolist()                                # 15 masked: key 3 has 3 of them
     assert shares == pytest.approx([4 / 15, 4 / 15, 4 / 15, 3 / 15, 0.0])
     sparse_mod = ao.make_attn_dropout(tiny_config(attention="sparse"), 0)
     assert sparse_mod.masked_by_key() is None                            # gathered blocks: no positions

@@ -20,8 +20,8 @@ from tests.test_precision import ATTENTIONS, DROPOUTS, LOSS_FLAGS, TOK, tiny_bat
 
 @pytest.fixture
 def values_on_meta(monkeypatch):
-    """Value reads of a meta tensor answer a stand-in (int 0, bool True, item 0.0) instead of failing."""
-    for name, stand_in in (("__int__", 0), ("__bool__", True), ("item", 0.0)):
+    """Value reads of a meta tensor answer a stand-in (int 0, bool True, item 0.0, tolist []) instead of failing."""
+    for name, stand_in in (("__int__", 0), ("__bool__", True), ("item", 0.0), ("tolist", [])):
         real = getattr(torch.Tensor, name)
 
         def read(self, *a, _real=real, _stand_in=stand_in):

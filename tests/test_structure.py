@@ -3,8 +3,8 @@ Python there; each opens with a docstring, at least one line in eight a comment 
 no line of 120 characters or more; imports run one way with no circle (data.py imports no module of the project,
 not even inside a function; model <- data, attendout, sparse; train <- everything; the methods attendout, sparse
 and sar are leaves; nothing of the six imports research/ or readers/ at module level); every module imports first
-in a fresh interpreter; every task has a reader and an objective train.py knows; README.md is a front door of at
-most 260 lines. No line budget and no flag cap: a student who adds a flag or a Config field must not fail here.
+in a fresh interpreter; every task has a reader and an objective train.py knows; README.md is a front door, its
+sections in order. No line budget and no flag cap: a student who adds a flag or a Config field must not fail here.
 
 Imports are read with ast, function-level ones included. Run: python -m pytest tests/test_structure.py -q
 """
