@@ -912,7 +912,8 @@ def gnet_lr(a):
                          f"| {fmt_diff(r['attendout_gnet_lr_1e-5'], r['attendout'])} |")
     table += ["", "| data | row | masking rate per layer at 10% / 25% / 50% / 100% of training (mean over seeds) "
               "| fully masked rows, largest share over the run, per layer (max over seeds) "
-              "| masked-pass consistency, mean over the logged steps (mean over seeds) |", "|---|---|---|---|---|"]
+              "| masked-pass consistency, mean over the logged steps (mean over seeds) "
+              "| train.py's dead-mask warning: at step (per seed) |", "|---|---|---|---|---|---|"]
     rates = {}
     for (ds, setting, name), ds_dirs in dirs.items():
         if not name.startswith("attendout"):
@@ -923,11 +924,13 @@ def gnet_lr(a):
         worst = [max(f[l] for f in full) for l in range(len(full[0]))]
         # what the masks do to the quantity they change: the KL between the clean and the masked pass
         consistency = statistics.mean(mean_logged(d, "mask_consistency") for d in ds_dirs)
+        died = [f.get("masks_died") for f in finals[(ds, setting, name)]]   # None: no warning
         rates[f"{ds}-{name}"] = {"drop_rate": {str(p): v for p, v in mean.items()}, "full_rows_max": worst,
-                                 "mask_consistency": consistency}
+                                 "mask_consistency": consistency, "masks_died": died}
         shown = " / ".join(" ".join(f"{x:.2f}" for x in v) for v in mean.values())
-        table.append(f"| {ds} | {name} | {shown} | {' '.join(f'{x:.3f}' for x in worst)} | {consistency:.5f} |")
-    note = pretrained_note(a, "At the author's setting: --lr 2e-5, 6% warmup (train.py's default). ")
+        table.append(f"| {ds} | {name} | {shown} | {' '.join(f'{x:.3f}' for x in worst)} | {consistency:.5f} "
+                     f"| {' / '.join('none' if x is None else str(x) for x in died)} |")
+    note = pretrained_note(a, f"Flags: {' '.join(GNET_LR_FLAGS)} (the author's setting; --extra's win), 6% warmup. ")
     write_table(a, "results_gnet_lr" + settings_suffix(a), table, note, {"acc": raw, "rates": rates})
 
 
