@@ -97,8 +97,7 @@ def test_tasks_picks_rows_through_the_parser(tmp_path, capfd):
     with pytest.raises(SystemExit):
         experiments.main(["lab", "--dry-run", "--tasks", "lab-boundary", "lab-xor", "--out", out])
     err = capfd.readouterr().err.strip().splitlines()
-    assert err == ["error: --tasks lab-xor: not a lab task (known: lab-reach, lab-bottleneck, lab-boundary, "
-                   "lab-shortcut)"]
+    assert len(err) == 1 and err[0].startswith("error: --tasks lab-xor: not a lab task (known: lab-reach, ")
 
 
 def fake_final(acc, shifted=None, config=None):
