@@ -383,16 +383,17 @@ def test_grad_accum_trains_the_same_examples_to_the_same_weights(tmp_path):
 
 
 def test_warning_when_the_masks_die(monkeypatch):
-    """The masking rate averaged over the layers, then over the last MASKS_DEAD_STEPS steps: under
-    MASKS_DEAD_RATE it warns once, naming --gnet-lr, and keeps the step for final.json."""
+    """The masking rates' median over the layers (a layer LayerDrop skipped left out), averaged over the last
+    MASKS_DEAD_STEPS steps: under MASKS_DEAD_RATE it warns once, naming --gnet-lr, and keeps the step for
+    final.json. Layer 1 masking 30% does not hide the others' death (their mean would be over 7%)."""
     warnings = []
     monkeypatch.setattr(train, "warn", warnings.append)
     r = train.Run()
     r.args = train_args("--attn-dropout", "attendout", "--lr", "1e-4")
     r.raw = types.SimpleNamespace(cfg=types.SimpleNamespace(gnet_lr=None))
-    r.state = {"mask_means": [], "masks_died": None}
-    living = [[0.9, 0.9]] * 20                                                # one in the window: 3.2%
-    dying = [[0.03, float("nan")]] * 10 + [[0.01, 0.01]] * (train.MASKS_DEAD_STEPS - 10)
+    r.state = {"mask_medians": [], "masks_died": None}
+    living = [[0.9, 0.9, 0.9, 0.9]] * 20                                      # one in the window: 3.2%
+    dying = [[0.3, 0.03, 0.03, 0.03]] * 10 + [[0.3, 0.01, float("nan"), 0.01]] * (train.MASKS_DEAD_STEPS - 10)
     for step, rates in enumerate(living + dying, 1):
         train.watch_masks(r, step, rates)
         if step < len(living + dying):
@@ -402,7 +403,7 @@ def test_warning_when_the_masks_die(monkeypatch):
     for step in range(len(living + dying) + 1, len(living + dying) + 20):
         train.watch_masks(r, step, [0.0, 0.0])
     assert len(warnings) == 1 and r.state["masks_died"] == len(living + dying)        # once
-    assert len(r.state["mask_means"]) == train.MASKS_DEAD_STEPS
+    assert len(r.state["mask_medians"]) == train.MASKS_DEAD_STEPS
 
 
 @pytest.mark.parametrize("rate, died", [(1.01, 3), (0.0, None)])
