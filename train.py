@@ -491,8 +491,8 @@ def train(r):
 # mean would hide dead layers behind layer 1, which keeps masking 20% there); when that median has
 # averaged under MASKS_DEAD_RATE over the last MASKS_DEAD_STEPS steps, one warning names
 # --gnet-lr, and final.json records the step ("masks_died"). 2% over 50 steps: a dead run's median
-# is under 1%, a living one's over 10% (docs/results.md, issue 44); 50 steps keep one quiet
-# stretch of batches from deciding it. docs/methods.md §3.1.
+# falls under 1%, a living one's stays over 6% (docs/results.md, issue 44); 50 steps keep one
+# quiet stretch of batches from deciding it. docs/methods.md §3.1.
 MASKS_DEAD_RATE = 0.02
 MASKS_DEAD_STEPS = 50
 
