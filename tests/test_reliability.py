@@ -65,11 +65,12 @@ STEPS = 60    # 19 batches of 16 per epoch: the run crosses epochs, the kills la
 
 
 def resume_args(folder, out):
-    """Everything that draws random numbers: hidden dropout, AttendOut's G-Net, random sparse blocks."""
+    """Everything that draws random numbers: hidden dropout, AttendOut's G-Net, random sparse blocks; and two
+    micro-batches a step (the plan's position, batches used, is all a resume needs)."""
     return ["--task", "listops", "--data", folder, "--out", str(out), *TINY, "--layers", "2",
             "--attention", "sparse", "--block-size", "4", "--num-random", "1", "--attn-dropout", "attendout",
-            "--max-steps", str(STEPS), "--batch-size", "16", "--lr", "1e-3", "--eval-every", "10",
-            "--log-every", "1", "--save-every", "3"]
+            "--max-steps", str(STEPS), "--batch-size", "16", "--grad-accum", "2", "--lr", "1e-3",
+            "--eval-every", "10", "--log-every", "1", "--save-every", "3"]
 
 
 def start(args):
