@@ -590,7 +590,7 @@ def plot_droprates(a):
 
 
 # -----------------------------------------------------------------------------
-# The lab: generated tasks where the topology decides the answer (data.LAB; docs/results.md, "The lab")
+# The lab: generated tasks where one mechanism decides the answer (data.LAB; docs/results.md, "The lab")
 
 # One small model for every lab run: 2 x 64 from scratch, blocks of 8 (the tasks are built for b = 8), window 1, no
 # random blocks, hidden dropout 0.1 (Config's), lr 2e-3, batch 32, one evaluation at the end. The layers and the
@@ -953,13 +953,13 @@ def sar_ce(a):
             finals[name].append(run_train([*SAR_CE_ROWS[name], *a.extra, "--seed", str(s)], out, a))
     if a.dry_run:
         return
-    base = [dev_acc(f) for f in finals[next(iter(finals))]]
+    accs = {name: [dev_acc(f) for f in fs] for name, fs in finals.items()}
+    base = accs[next(iter(accs))]                        # fmt_diff marks the baseline by identity
     lines = ["| cross-entropy on | dev acc per seed (%) | dev acc (%) | paired difference, 95% CI (points) |",
              "|---|---|---|---|"]
-    for name, fs in finals.items():
-        accs = [dev_acc(f) for f in fs]
-        per_seed = " / ".join(f"{100 * x:.1f}" for x in accs)
-        lines.append(f"| {name[3:]} | {per_seed} | {fmt(accs)} | {fmt_diff(base, accs)} |")
+    for name, xs in accs.items():
+        per_seed = " / ".join(f"{100 * x:.1f}" for x in xs)
+        lines.append(f"| {name[3:]} | {per_seed} | {fmt(xs)} | {fmt_diff(base, xs)} |")
     write_table(a, "results_sar_ce_demo", lines, f"Seeds {a.seeds}; every run the full demo (`python train.py "
                 "--seed S` with the row's --ce); the last step's dev accuracy.", dict(finals))
 
