@@ -416,7 +416,8 @@ def check_run(args, task, cfg):
         useless += [n for n in args.given if n.startswith(start) and cfg.attn_dropout != method]
     useless += [n for n in args.given if n.endswith("_col") and args.task != "tsv"]
     useless += [n for n in ("sar_shift",) if n in args.given and not shifted]
-    useless += [n for n in ("ce",) if n in args.given and args.views == 1]
+    if args.ce == "original" and args.views == 1:        # one view: the original is all there is
+        useless.append("ce")
     if useless:
         warn(f"{', '.join(map(flag, useless))}: no effect with this method or task")
 
