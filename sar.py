@@ -6,8 +6,9 @@ The losses are written out in train.py (classify_loss), one hop from the trainin
 
 The idea (docs/methods.md §2.3, reconstructed): a sparse model's answer depends on where its block
 boundaries fall. SAR shifts the topology, runs both views, and adds the symmetric KL between their
-predictions to the cross-entropy. R-Drop (Liang et al. 2021) is the same loss on two unshifted
-views that differ only by dropout. Evaluation runs once, on the original topology.
+predictions to the original view's cross-entropy (--ce all: both views'). R-Drop (Liang et al.
+2021) is the same loss on two unshifted views that differ only by dropout, the cross-entropy on
+both. Evaluation runs once, on the original topology.
 
 How to run it:  python train.py --attention hst --sar 1.0 --sar-shift 1      (or --rdrop 1.0)
 Its tests:      python -m pytest -q tests/test_sar.py

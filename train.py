@@ -124,8 +124,9 @@ def make_parser(defaults=True):
     add("--views", type=int, choices=[1, 2],
         help="views per batch: 2 adds SAR's shifted view (R-Drop's copy), also at alpha 0 "
              "(default: 2 with --sar or --rdrop, else 1)")
-    add("--ce", choices=["all", "original"], default="all",
-        help="the cross-entropy on every clean view, or on the original view only")
+    add("--ce", choices=["all", "original"],
+        help="the cross-entropy on every clean view, or on the original view only (default: "
+             "SAR's original, as its digest reads; R-Drop's all, as its paper has it)")
     if defaults:
         ap.set_defaults(**DEMO)
     else:
@@ -148,6 +149,8 @@ def parse_args(argv):
                 setattr(args, name, value)
     if args.views is None:                               # a second view where an alpha asks for it
         args.views = 2 if args.sar > 0 or args.rdrop > 0 else 1
+    if args.ce is None:                                  # each method's own form (methods.md §2.3)
+        args.ce = "all" if args.rdrop > 0 else "original"
     return args
 
 # Before anything is read or written, a value that means nothing is one `error:` line.
@@ -416,7 +419,7 @@ def check_run(args, task, cfg):
         useless += [n for n in args.given if n.startswith(start) and cfg.attn_dropout != method]
     useless += [n for n in args.given if n.endswith("_col") and args.task != "tsv"]
     useless += [n for n in ("sar_shift",) if n in args.given and not shifted]
-    if args.ce == "original" and args.views == 1:        # one view: the original is all there is
+    if "ce" in args.given and args.views == 1:           # one view: the original is all there is
         useless.append("ce")
     if useless:
         warn(f"{', '.join(map(flag, useless))}: no effect with this method or task")
@@ -432,8 +435,8 @@ def opening_line(r):                                     # task | model | method
         methods.append(f"R-Drop alpha {args.rdrop:g}")
     elif args.views == 2:
         methods.append(f"SAR alpha {args.sar:g} shift {args.sar_shift}")
-    if args.views == 2 and args.ce == "original":
-        methods.append("cross-entropy on the original view only")
+    if args.views == 2:                                  # where the cross-entropy is taken (--ce)
+        methods[-1] += " (CE on " + ("both views)" if args.ce == "all" else "the original view)")
     where = f"{r.total} steps on {r.device}"
     where += f" x {r.world} processes" if r.world > 1 else ""
     if r.device.type == "cpu":
@@ -597,8 +600,8 @@ def weighted_mean(logged, weights):
 
 # -----------------------------------------------------------------------------------------------
 # 5. The loss (methods.md §1, §2.3, §3.1): all that a classification or regression step optimises:
-#     L = mean over the clean views of CE(z, y)        the task (task_loss; MSE for STS-B); with
-#                                                      --ce original, CE(z_original, y) alone
+#     L = CE(z_original, y)                            the task (task_loss; MSE for STS-B); with
+#                                                      --ce all, the mean over the clean views
 #       + alpha x consistency(z_original, z_second)    SAR (--sar alpha): the topology shifted,
 #                                                      or R-Drop (--rdrop alpha): a 2nd dropout
 #                                                      (--views 2 runs the second view at alpha 0)

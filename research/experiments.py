@@ -150,9 +150,10 @@ SPARSE_ROWS = {             # the baseline first: HST without SAR
     "sparse": ["--attention", "sparse"],
     "hst+sar": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1"],
     "hst+rdrop": ["--attention", "hst", "--rdrop", "1.0"],
-    # SAR's parts (issue 43): the cross-entropy on the original view only; the shifted view without consistency
-    "hst+sar_ce_original": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1", "--ce", "original"],
-    "hst+views2": ["--attention", "hst", "--views", "2", "--sar", "0", "--sar-shift", "1"],
+    # SAR's parts (issue 43): hst+sar takes the cross-entropy on the original view only (train.py's default since
+    # issue 43); the same on both views (R-Drop's form, the default before); the shifted view without consistency
+    "hst+sar_ce_all": ["--attention", "hst", "--sar", "1.0", "--sar-shift", "1", "--ce", "all"],
+    "hst+views2": ["--attention", "hst", "--views", "2", "--sar", "0", "--sar-shift", "1", "--ce", "all"],
 }
 
 
@@ -730,7 +731,9 @@ def lab_flags(row, folder, out_dir, seed):
     """train.py's flags for one run of a row (--out and --threads are run_train's)."""
     flags = ["--task", row["task"], "--data", folder, *LAB_COMMON, "--max-steps", str(row["steps"]),
              "--attention", row["attention"], "--num-global", str(row["num_global"]), "--views", str(row["views"]),
-             "--ce", row["ce"], "--sar", str(row["sar"]), "--attn-dropout", row["attn_dropout"]]
+             "--sar", str(row["sar"]), "--attn-dropout", row["attn_dropout"]]
+    if row["views"] == 2:                                # one view: no second view for --ce to leave out
+        flags += ["--ce", row["ce"]]
     if row["gnet_lr"] is not None:
         flags += ["--gnet-lr", str(row["gnet_lr"])]
     if row.get("schedule"):                              # the replayed run's rates, same seed

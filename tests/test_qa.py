@@ -250,8 +250,9 @@ def test_squad_runs_with_the_defaults(tmp_path, capfd):
     code, out, err = run_main([*argv, "--out", str(tmp_path / "a")], capfd)
     assert code == 0, err
     opening = out.splitlines()[0]
-    assert "| hst attention, attention dropout 0.1, SAR alpha 1 shift 1, the default AttendOut falls back to " \
-           "standard attention dropout: it compares class or value predictions, not squad's |" in opening, opening
+    assert "| hst attention, attention dropout 0.1, SAR alpha 1 shift 1 (CE on the original view), the default " \
+           "AttendOut falls back to standard attention dropout: it compares class or value predictions, not " \
+           "squad's |" in opening, opening
     final = json.load(open(tmp_path / "a" / "final.json"))
     assert final["config"]["attn_dropout"] == "standard" and final["args"]["sar"] == 1.0
     code, _, err = run_main([*argv, "--out", str(tmp_path / "b"), "--attn-dropout", "attendout"], capfd)

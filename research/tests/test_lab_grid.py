@@ -88,8 +88,9 @@ def test_tasks_picks_rows_through_the_parser(tmp_path, capfd):
     assert names == [f"{experiments.lab_name(row)}-s1" for row in experiments.LAB_ROWS
                      if row["task"] in ("lab-boundary", "lab-shortcut")]
     line = runs[os.path.join(out, "boundary-sparse-g0-views2-ceoriginal-sar1-s1")]
-    assert " --views 2 --ce original --sar 1.0 " in line and "--eval-shift all" in line
-    assert " --views 1 --ce all --sar 0.0 " in runs[os.path.join(out, "boundary-sparse-g0-s1")]
+    assert " --views 2 --sar 1.0 " in line and " --ce original " in line and "--eval-shift all" in line
+    one_view = runs[os.path.join(out, "boundary-sparse-g0-s1")]
+    assert " --views 1 --sar 0.0 " in one_view and " --ce " not in one_view          # one view: no --ce
     replay = os.path.join(out, "shortcut-dense-g0-attendout-gnetlr0.0001-s1", "droprates.jsonl")
     scheduled = runs[os.path.join(out, "shortcut-dense-g0-scheduled-s1")]
     assert f"--attn-dropout scheduled --schedule {replay} --seed 1" in scheduled
