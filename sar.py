@@ -88,6 +88,19 @@ def consistency(z1, z2, regression=False):
 # many views the rows hold: each view gets its own sparse-kernel call, so its own random blocks,
 # and with masked=True the model knows the last view is the one the G-Nets mask.
 
+# Which second view a run's flags ask for: R-Drop's plain copy (--rdrop alpha), SAR's topology
+# shifted by --sar-shift (--sar alpha, or --views 2 at alpha 0), or none; with its weight alpha.
+# train.classify_loss and readers/qa.py both ask here.
+
+def second_view(args):
+    """(second, alpha) for stacked_views: second None (one view), 0 (R-Drop) or s >= 1 (SAR)."""
+    if args.rdrop > 0:
+        return 0, args.rdrop
+    if args.views == 2:
+        return args.sar_shift, args.sar
+    return None, 0.0
+
+
 def stacked_views(model, batch, second=None, masked=False):
     """The logits of every view of one batch, a list of [B, ...]: the original; then second = s >=
     1, the topology shifted by s tokens (SAR), or second = 0, a plain copy (R-Drop); then, if

@@ -617,14 +617,7 @@ def weighted_mean(logged, weights):
 def classify_loss(model, batch, args, task, tok):
     batch = as_rows(batch)
     raw = getattr(model, "module", model)                # the Model itself, also under DDP
-    second = None                                        # one view ...
-    alpha = 0.0
-    if args.rdrop > 0:                                   # ... or R-Drop's second, a plain copy
-        second = 0
-        alpha = args.rdrop
-    elif args.views == 2:                                # ... or SAR's, shifted by s tokens
-        second = args.sar_shift
-        alpha = args.sar
+    second, alpha = sar.second_view(args)                # None, R-Drop's copy (0) or SAR's shift
     masked = raw.cfg.attn_dropout == "attendout"
     z = sar.stacked_views(model, batch, second, masked)  # [B, C] per view
     clean = z[:-1] if masked else z                      # the views the labels are asked of

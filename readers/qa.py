@@ -237,10 +237,10 @@ def span_loss(logits, labels, attention_mask):
 def loss(model, batch, args, task, tok):
     """The training loss (train.py's objective "span"): the span loss, with SAR / R-Drop if asked (logged apart as ce,
     consistency)."""
-    if args.views == 2:                                                 # SAR's shifted view, or R-Drop's copy
-        shift_by = 0 if args.rdrop > 0 else args.sar_shift
-        total, ce, cons = sar_span_loss(model, batch, args.rdrop or args.sar, shift_by, args.ce)
-        return total, {"ce": ce.item(), "consistency": cons.item(), "loss": total.item()}
+    shift_by, alpha = sar.second_view(args)                             # SAR's shifted view, or R-Drop's copy
+    if shift_by is not None:
+        total, ce, cons = sar_span_loss(model, batch, alpha, shift_by, args.ce)
+        return total, {"ce": ce.item(), "consistency": cons.item()}
     logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])   # [B, L, 2]
     return span_loss(logits, batch["labels"], batch["attention_mask"]), {}
 
