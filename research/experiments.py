@@ -855,15 +855,16 @@ def lab_table(runs):
     masked = [r for r in runs if r.get("shortcut_masking")]
     if masked:
         points = (0.1, 0.25, 0.5, 1.0)
+        length = data.LAB["lab-shortcut"]["length"]        # every token real: a token's share of all pairs is 1/L
         lines += ["", "| row | seed | dev acc (%) | layer | masked pairs on the shortcut token, over its share of "
-                  "all pairs (1/64), at 10% / 25% / 50% / 100% of training | mean over training |",
+                  f"all pairs (1/{length}), at 10% / 25% / 50% / 100% of training | mean over training |",
                   "|---" * 6 + "|"]
         for r in masked:
             m = r["shortcut_masking"]
             at = [next(i for i, f in enumerate(m["step_frac"]) if f >= p - 1e-9) for p in points]
             for layer in range(len(m["share"][0])):
-                ratios = [64 * m["share"][i][layer] for i in at]
-                mean = 64 * statistics.mean(share[layer] for share in m["share"])
+                ratios = [length * m["share"][i][layer] for i in at]
+                mean = length * statistics.mean(share[layer] for share in m["share"])
                 lines.append(f"| {r['row']} | {r['seed']} | {r['dev_acc']:.1f} | {layer + 1} "
                              f"| {' / '.join(f'{x:.2f}' for x in ratios)} | {mean:.2f} |")
     return "\n".join(lines)
@@ -933,7 +934,7 @@ def gnet_lr(a):
         shown = " / ".join(" ".join(f"{x:.2f}" for x in v) for v in mean.values())
         table.append(f"| {ds} | {name} | {shown} | {' '.join(f'{x:.3f}' for x in worst)} | {consistency:.5f} "
                      f"| {' / '.join('none' if x is None else str(x) for x in died)} |")
-    note = pretrained_note(a, f"Flags: {' '.join(GNET_LR_FLAGS)} (the author's setting; --extra's win), 6% warmup. ")
+    note = pretrained_note(a, f"Rows add {' '.join(GNET_LR_FLAGS)} (the author's setting; --extra's flags win). ")
     write_table(a, "results_gnet_lr" + settings_suffix(a), table, note, {"acc": raw, "rates": rates})
 
 
