@@ -545,13 +545,23 @@ def load_glue(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, *
                     list(labels or []), stats["truncated"], skipped)
 
 # --task tsv: DIR/train.* and DIR/dev.* (.tsv, .csv or .jsonl), the columns --text-col,
-# --text-pair-col and --label-col name; the classes are the training file's labels.
+# --text-pair-col and --label-col name; the classes are the training file's labels. dev_file is a
+# list: one file is the split "dev"; several are a split each, named by the file's stem.
 def load_tsv(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
     train_path = train_file or _find_split(data_dir, "train")
-    train, labels, n_train = load_generic(train_path, tok, max_len=max_len, **columns)
-    dev_path = dev_file or _find_split(data_dir, "dev")
-    dev, _, n_dev = load_generic(dev_path, tok, max_len=max_len, label_names=labels, **columns)
-    return TaskData(train, {"dev": dev}, len(labels), False, "acc", labels, n_train + n_dev)
+    train, labels, n_truncated = load_generic(train_path, tok, max_len=max_len, **columns)
+    dev_paths = dev_file or [_find_split(data_dir, "dev")]
+    names = [os.path.splitext(os.path.basename(p))[0] for p in dev_paths]
+    if len(dev_paths) == 1:
+        names = ["dev"]
+    if len(set(names)) < len(names):
+        raise DataError(f"--dev-file {' '.join(dev_paths)}: two files share a name; each names "
+                        "its dev split")
+    dev = {}
+    for split, path in zip(names, dev_paths):
+        dev[split], _, n = load_generic(path, tok, max_len=max_len, label_names=labels, **columns)
+        n_truncated += n
+    return TaskData(train, dev, len(labels), False, "acc", labels, n_truncated)
 
 # ListOps: LRA's basic_train.tsv and basic_val.tsv (Source<TAB>Target, as section 6 writes them),
 # ten classes (the digits); ListOps' own tokenizer unless one is given.

@@ -68,7 +68,9 @@ def make_parser(defaults=True):
     add("--task", choices=list(data.TASKS), metavar="TASK", help=", ".join(data.TASKS))
     add("--data", help="the task's folder or file (listops: generated if omitted)")
     add("--train-file", help="the training file inside --data, if not the task's usual name")
-    add("--dev-file", help="the dev file inside --data, if not the task's usual name")
+    add("--dev-file", nargs="+", metavar="FILE",
+        help="the dev file, if not the task's usual one in --data; --task tsv scores several, each "
+             "a dev split named by its file's stem (the first picks ckpt_best.pt)")
     add("--text-col", help="--task tsv: the text column (name or 0-based index)")
     add("--text-pair-col", help="--task tsv: an optional second text column")
     add("--label-col", help="--task tsv: the label column")
@@ -159,9 +161,13 @@ def check_args(args):
         least = 1 if name in POSITIVE else 0
         if type(value) in (int, float) and not (math.isfinite(value) and value >= least):
             fail(f"{flag(name)} {value}: must be >= {least}")
-    for name in ("data", "train_file", "dev_file"):
-        if getattr(args, name) and not os.path.exists(getattr(args, name)):
-            fail(f"{flag(name)} {getattr(args, name)}: no such file or folder")
+    paths = [("data", args.data), ("train_file", args.train_file)]
+    paths += [("dev_file", path) for path in args.dev_file or []]
+    for name, path in paths:
+        if path and not os.path.exists(path):
+            fail(f"{flag(name)} {path}: no such file or folder")
+    if args.dev_file and len(args.dev_file) > 1 and args.task != "tsv":
+        fail(f"--dev-file: {len(args.dev_file)} files; only --task tsv scores several dev files")
     if args.max_steps == 0 and not args.epochs > 0:
         fail(f"--epochs {args.epochs}: must be > 0")
     if args.max_len is not None and args.max_len < 8:
@@ -305,9 +311,14 @@ def fall_back(args):
         notes.append("the default SAR is off: it compares predictions, and masked LM has none")
     return notes
 
-def columns(args):                                       # where a task's files and columns are
-    names = ("train_file", "dev_file", "text_col", "text_pair_col", "label_col")
-    return {name: getattr(args, name) for name in names}
+# Where a task's files and columns are. --task tsv takes the list of --dev-file's files; every
+# other reader one file (check_args allows it no more).
+def columns(args):
+    names = ("train_file", "text_col", "text_pair_col", "label_col")
+    found = {name: getattr(args, name) for name in names}
+    dev_files = args.dev_file or [None]
+    found["dev_file"] = args.dev_file if args.task == "tsv" else dev_files[0]
+    return found
 
 # The module that reads a task's files: data.py for GLUE, --task tsv and ListOps; for LRA's other
 # tasks, SQuAD and masked LM one of readers/ (imported on first use), with its objective's loss.
