@@ -750,7 +750,8 @@ def main(argv=None):
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (989: H200 bf16 dense)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler top ops of our side")
     p.add_argument("--json", default="bench.json", help="where to write the results")
-    p.add_argument("--plot", default="", help="also draw the scaling section to this PNG (e.g. docs/scaling.png)")
+    p.add_argument("--plot", default="", help="also draw the scaling section to this PNG "
+                   "(e.g. docs/results/scaling.png)")
     p.add_argument("--base", default="", help="another checkout's root (e.g. /tmp/base): its models side by side "
                    "with ours in sections 1-6, with after / before ratios")
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),

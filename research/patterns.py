@@ -4,7 +4,7 @@ Idea: the pattern is a set of (query, key) pairs; drawing it from the same rando
 kernel (sparse.key_layout, sparse.hst_dense_mask) shows window, global, random and representative keys as the
 kernel reads them (methods.md §2.1, §2.2).
 
-Run:  python research/patterns.py                 # n 32, block 4: prints both, writes docs/attention_*.png
+Run:  python research/patterns.py                 # n 32, block 4: prints both, writes docs/results/attention_*.png
       python research/patterns.py --n 64 --block-size 8 --num-random 2 --out-dir /tmp/pat
 """
 import argparse
@@ -94,7 +94,7 @@ def main():
     p.add_argument("--num-global", type=int, default=2)
     p.add_argument("--num-random", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--out-dir", default=os.path.join("docs", "results"))
     a = p.parse_args()
     kw = dict(block_size=a.block_size, window=a.window, num_global=a.num_global, num_random=a.num_random,
               seed=a.seed)
