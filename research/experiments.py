@@ -50,24 +50,65 @@ from model import build_model, read_checkpoint  # noqa: E402
 # Runs, tables and paired statistics
 
 def run_train(flags, out, a):
-    """One `python train.py FLAGS` run into `out`, unless its final.json exists. Returns that final.json (None
-    with --dry-run: the command is only printed). Its console goes to OUT/NAME.log beside the run folders."""
+    """One `python train.py FLAGS` run into `out`: its final.json, or None while the grid is being planned (the
+    run, unless finished, joins a.plan; run_all runs the plan, then the grid reads every final.json)."""
     final = os.path.join(out, "final.json")
-    if not os.path.exists(final):
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--out", out, "--overwrite",
-               "--threads", str(a.threads)]
-        print("$ " + " ".join(cmd), flush=True)
-        if a.dry_run:
-            return None
-        t = time.time()
-        with open(os.path.join(a.out, os.path.basename(out) + ".log"), "w") as log:
-            rc = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": str(a.threads)}, stdout=log,
-                                 stderr=subprocess.STDOUT)
-        if rc != 0:
-            fail(f"run failed (exit {rc}); see {log.name}")
-        print(f"  done in {time.time() - t:.0f}s", flush=True)
+    if a.plan is not None:
+        if not os.path.exists(final):
+            cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--out", out, "--overwrite",
+                   "--threads", str(a.threads)]
+            a.plan.append((cmd, out))
+        return None
     with open(final) as f:
         return json.load(f)
+
+
+def schedule_source(cmd):
+    """The run folder whose droprates.jsonl a command replays (--schedule FILE), or None."""
+    if "--schedule" not in cmd:
+        return None
+    return os.path.dirname(cmd[cmd.index("--schedule") + 1])
+
+
+def run_all(plan, a):
+    """Run the planned (command, folder) pairs, a.jobs at a time, each its own train.py process at --threads
+    threads, its console in OUT/NAME.log; a scheduled run starts after the run it replays. One line per run
+    started and finished. A failed run stops the others and names its log; Ctrl-C stops them all. Either way the
+    finished runs stay finished (the next call skips them) and the stopped ones start over."""
+    waiting = list(plan)
+    running = {}                                         # Popen -> (folder, log file, start time)
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    failed = None
+    try:
+        while (waiting or running) and failed is None:
+            pending = {out for _, out in waiting} | {out for out, _, _ in running.values()}
+            for cmd, out in list(waiting):
+                if len(running) >= a.jobs:
+                    break
+                if schedule_source(cmd) in pending:      # its source has not finished yet
+                    continue
+                waiting.remove((cmd, out))
+                print("$ " + " ".join(cmd), flush=True)
+                log = open(os.path.join(a.out, os.path.basename(out) + ".log"), "w")
+                child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+                running[child] = (out, log, time.time())
+            time.sleep(0.2)
+            for child in [c for c in running if c.poll() is not None]:
+                out, log, t = running.pop(child)
+                log.close()
+                if child.returncode != 0:
+                    failed = f"run failed (exit {child.returncode}); see {log.name}"
+                    break
+                left = len(waiting) + len(running)
+                print(f"  done {os.path.basename(out)} in {time.time() - t:.0f}s ({left} to go)", flush=True)
+    finally:
+        for child, (out, log, _) in running.items():    # Ctrl-C, or another run failed
+            child.terminate()
+            child.wait()
+            log.close()
+    if failed:
+        stopped = f"; stopped {len(running)} other run(s)" if running else ""
+        fail(failed + stopped + " (the next call resumes the grid)")
 
 
 def fmt(xs, scale=100.0):
@@ -244,7 +285,7 @@ def listops_grid(a):
             flags = [*LISTOPS[a.experiment][1], *SPARSE_ROWS[name], "--data", folder, *a.extra, "--seed", str(s)]
             finals[name].append(run_train(flags, out, a))
             dirs[name].append(out)
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     raw = {name: shifted_scores(fs, dirs[name]) for name, fs in finals.items()}
     f0 = finals["hst"][0]
@@ -271,7 +312,7 @@ def listops_candidates(a, folder):
             log = read_jsonl(os.path.join(out, "log.jsonl"))
             curves[name] = {r["step"]: r["dev"]["dev"]["acc"] for r in log if "dev" in r}
             walls[name] = f["wall_time_s"]
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     steps = sorted({step for c in curves.values() for step in c})
     cell = lambda c, step: f"{100 * c[step]:.1f}" if step in c else "-"
@@ -510,7 +551,7 @@ def pretrained_note(a, extra=""):
 def pretrained_sparse(a):
     """The ERNIE-Sparse rows fine-tuned, each scored on its final weights under every shift s = 1 .. 7."""
     finals, dirs = pretrained_runs(a, SPARSE_ROWS, [*PRE_SPARSE_TOPOLOGY, "--eval-shift", "all"])
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     raw, rows = collections.defaultdict(dict), []
     for (ds, setting, name), fs in finals.items():
@@ -538,7 +579,7 @@ def pretrained_attendout(a):
     (what AttendOut's choice of pairs adds beyond its per-layer rates, which scheduled replays); the figure of
     the attendout runs' per-layer drop rates."""
     finals, _ = pretrained_runs(a, ATTENDOUT_ROWS, [])
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     raw, rows = collections.defaultdict(dict), []
     for (ds, setting, name), fs in finals.items():
@@ -783,44 +824,101 @@ def lab_record(row, seed, final, folder):
 def lab(a):
     """The lab's grid (LAB_ROWS of --tasks; --quick: the reach rows at the first seed), seed-major and resumable,
     into --out: a run folder each, lab.json ({"runs": [...]}, accuracies in percent) and lab.md (the tables)."""
-    rows = [row for row in LAB_ROWS if row["task"] in a.tasks]
+    rows = lab_rows(a)
     seeds = {task: a.seeds or LAB_SEEDS[task] for task in a.tasks}
     if a.quick:
         seeds = {task: seeds[task][:1] for task in seeds}
-    t0 = time.time()
     runs = []
     for s in sorted(set(sum(seeds.values(), []))):
         for row in rows:
             if s not in seeds[row["task"]]:
                 continue
-            folder = lab_data(row["task"]) if not a.dry_run else os.path.join("data", row["task"])
+            folder = lab_data(row["task"])
             out = os.path.join(a.out, f"{lab_name(row)}-s{s}")
             final = run_train(lab_flags(row, folder, a.out, s) + a.extra, out, a)
             if final is not None:
                 runs.append(lab_record(row, s, final, out))
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     with open(os.path.join(a.out, "lab.json"), "w") as f:
         json.dump({"runs": runs}, f, indent=1)
     text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {' '.join(a.argv)}` " \
-        f"({time.time() - t0:.0f}s here, runs already done skipped). Every run: `python train.py` with " \
+        f"({time.time() - a.t0:.0f}s here at --jobs {a.jobs}, runs already done skipped). Every run: `python train.py` with " \
         f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --views, --ce, --sar, " \
         f"--attn-dropout, --gnet-lr and --max-steps (steps column); lab-boundary adds --eval-shift all; data: " \
         f"data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.\n"
     with open(os.path.join(a.out, "lab.md"), "w") as f:
         f.write(text)
     print("\n" + text)
+    if a.base:
+        text = against_base(runs, read_lab_runs(a.base), a.base)
+        with open(os.path.join(a.out, "base.md"), "w") as f:
+            f.write(text)
+        print("\n" + text)
+
+
+def lab_rows(a):
+    """The rows to run: those of --tasks, or with --variants the rows so named (lab_name: the run folder without
+    its seed, as --dry-run and lab.md show it). A scheduled row brings the row whose rates it replays."""
+    rows = {lab_name(row): row for row in LAB_ROWS if row["task"] in a.tasks}
+    picked = chosen(a, rows, baseline=False)            # one error line for a name that is no row
+    for name in list(picked):
+        source = rows[name].get("schedule")
+        if source and source not in picked:
+            print(f"{name} replays the rates of {source}: running {source} too", flush=True)
+            picked.insert(picked.index(name), source)
+    return [rows[name] for name in picked]
+
+
+def runs_by_row(runs):
+    """{row name: {seed: run}} of lab.json's runs."""
+    by_row = collections.defaultdict(dict)
+    for r in runs:
+        by_row[r["row"]][r["seed"]] = r
+    return by_row
+
+
+def paired(base, base_key, other, key):
+    """Two rows' runs ({seed: run}) paired by seed: base's `base_key` and other's `key` (percent -> fractions) at
+    the seeds where both are known, in one order. Every paired difference of the lab reads its values here."""
+    seeds = [s for s in base if s in other and base[s][base_key] is not None and other[s][key] is not None]
+    return [base[s][base_key] / 100 for s in seeds], [other[s][key] / 100 for s in seeds]
+
+
+def read_lab_runs(path):
+    """The runs of a lab's lab.json: `path` is the lab's --out folder or the file itself."""
+    file = os.path.join(path, "lab.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        fail(f"--base {path}: no lab.json there (a lab's --out, or a lab.json such as "
+             "docs/results/results_lab.json)")
+    with open(file) as f:
+        return json.load(f)["runs"]
+
+
+def against_base(runs, base_runs, base_name):
+    """base.md: for every row this lab and --base both ran, this lab's dev accuracy (and, where scored under
+    shifts, its drop) against the base's, paired by seed over the seeds both ran, with a 95% t-interval."""
+    mine, base = runs_by_row(runs), runs_by_row(base_runs)
+    lines = [f"| row | measure | seeds both ran | --base {base_name} (%) | this lab (%) "
+             "| paired difference, this - base, 95% CI (points) |", "|---" * 6 + "|"]
+    for name in mine:
+        for key in ("dev_acc", "drop"):
+            xs, ys = paired(base.get(name, {}), key, mine[name], key)
+            seeds = [s for s in mine[name] if s in base.get(name, {})]
+            if xs:
+                lines.append(f"| {name} | {key} | {' '.join(map(str, seeds))} | {fmt(xs)} | {fmt(ys)} "
+                             f"| {fmt_diff(xs, ys)} |")
+    if len(lines) == 2:
+        return f"No row of this lab is in --base {base_name} at a seed both ran: nothing to pair."
+    return "\n".join(lines)
 
 
 def lab_table(runs):
     """lab.md: a row per LAB_ROWS row that ran (per-seed accuracies, mean +- std, the scores under shifts with the
     drop's 95% interval, the bound, time per run); the contrasts (LAB_CONTRASTS) paired by seed with 95%
     t-intervals; the boundary rows' accuracy by shift; what lab-shortcut's G-Nets masked."""
-    by_row = collections.defaultdict(dict)                # row name -> seed -> run
-    for r in runs:
-        by_row[r["row"]][r["seed"]] = r
-    col = lambda name, key, seeds=None: [by_row[name][s][key] / 100 for s in (seeds or by_row[name])
-                                         if by_row[name][s][key] is not None]
+    by_row = runs_by_row(runs)
+    col = lambda name, key: [run[key] / 100 for run in by_row[name].values() if run[key] is not None]
     show = lambda xs: fmt(xs) if xs else "-"
     lines = ["| task | attention | global tokens | views | CE on | SAR alpha | attention dropout | G-Net lr | steps "
              "| dev acc per seed (%) | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
@@ -839,9 +937,9 @@ def lab_table(runs):
                      f"| {statistics.mean(x['wall_time_s'] for x in by_seed.values()):.0f} |")
     contrasts = []
     for task, what, base, base_key, name, key in LAB_CONTRASTS:
-        seeds = [s for s in by_row[base] if s in by_row[name]] if base in by_row and name in by_row else []
-        if seeds:
-            contrasts.append(f"| {task} | {what} | {fmt_diff(col(base, base_key, seeds), col(name, key, seeds))} |")
+        xs, ys = paired(by_row.get(base, {}), base_key, by_row.get(name, {}), key)
+        if xs:
+            contrasts.append(f"| {task} | {what} | {fmt_diff(xs, ys)} |")
     if contrasts:
         lines += ["", "| task | contrast | paired difference, 95% CI (points) |", "|---|---|---|", *contrasts]
     shifted = [name for name in by_row if next(iter(by_row[name].values()))["shifted_by"]]
@@ -901,7 +999,7 @@ def gnet_lr(a):
     (mean over seeds); the share of real query rows whose every real key is masked (largest over the run); the
     masked pass's consistency term (how far the masks move the prediction)."""
     finals, dirs = pretrained_runs(a, GNET_LR_ROWS, GNET_LR_FLAGS)
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     raw, table = collections.defaultdict(dict), []
     table += ["| data | row | dev acc (%) | per seed | paired diff to standard, 95% CI (points) |", "|---|---|---|---|---|"]
@@ -955,7 +1053,7 @@ def sar_ce(a):
         for name in chosen(a, SAR_CE_ROWS):
             out = os.path.join(a.out, f"demo-{name}-s{s}")
             finals[name].append(run_train([*SAR_CE_ROWS[name], *a.extra, "--seed", str(s)], out, a))
-    if a.dry_run:
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     accs = {name: [dev_acc(f) for f in fs] for name, fs in finals.items()}
     base = accs[next(iter(accs))]                        # fmt_diff marks the baseline by identity
@@ -982,6 +1080,10 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0-4; lab: each task's LAB_SEEDS, lab-shortcut 0-4)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py --threads)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time, each its own train.py process at --threads threads (default 1: the "
+                         "tables' time per run assumes a run has its cores to itself; cores / --threads uses "
+                         "them all)")
     ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT); lab: also lab.json")
     ap.add_argument("--tables", default=os.path.join("out", "tables"), help="where the tables and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),
@@ -996,6 +1098,9 @@ def main(argv=None):
                     help="more train.py flags for every run (last on the line, so they win: --extra --lr 1e-3)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs, run nothing")
     ap.add_argument("--candidates", action="store_true", help="listops-long: the candidate sizes' learning curves")
+    ap.add_argument("--base", default=None,
+                    help="lab: another lab's --out (or its lab.json, e.g. docs/results/results_lab.json): every "
+                         "row both ran, paired by seed against it (OUT/base.md)")
     ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed alone")
     ap.add_argument("--tasks", nargs="+", default=None, help="lab: only these tasks' rows (default: all of data.LAB)")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
@@ -1010,6 +1115,8 @@ def main(argv=None):
         fail("--quick: only for lab")
     if a.tasks is not None and a.experiment != "lab":
         fail("--tasks: only for lab")
+    if a.base is not None and a.experiment != "lab":
+        fail("--base: only for lab")
     if a.experiment == "lab":
         unknown = [t for t in a.tasks or [] if t not in data.LAB]
         if unknown:
@@ -1024,8 +1131,24 @@ def main(argv=None):
         fail(f"--threads {a.threads}: must be >= 1")
     if a.seeds is not None and (not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds)):
         fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
+    if a.jobs < 1:
+        fail(f"--jobs {a.jobs}: must be >= 1")
+    a.t0 = time.time()
+    a.plan = None
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)
+        # Two passes over a grid: the first collects the unfinished runs' commands (a.plan; --dry-run prints
+        # them), run_all runs them --jobs at a time, the second reads every final.json into the tables.
+        # The probe scores listops-long's runs and starts none.
+        if a.experiment != "listops-long-probe":
+            a.plan = []
+            EXPERIMENTS[a.experiment](a)
+            if a.dry_run:
+                for cmd, _ in a.plan:
+                    print("$ " + " ".join(cmd), flush=True)
+                return None
+            run_all(a.plan, a)
+            a.plan = None
         return EXPERIMENTS[a.experiment](a)
 
 
