@@ -222,6 +222,30 @@ def test_tsv_run_learns_and_writes_its_files(tmp_path, capfd):
         assert model.cfg.num_labels == 2
 
 
+def test_several_dev_files_are_dev_splits_of_their_own(listops_dir, tmp_path, capfd):
+    """--dev-file A B with --task tsv scores each file as a dev split named by its stem, the first
+    one at final.json's top ("dev_split", its metrics flat); several dev files with another task
+    are one `error:` line naming --dev-file, before anything is read."""
+    folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=40, n_dev=10)
+    os.rename(os.path.join(folder, "dev.tsv"), os.path.join(folder, "dev_a.tsv"))
+    with open(os.path.join(folder, "dev_a.tsv")) as f:
+        head = f.readlines()[:6]                         # the header and 5 rows
+    with open(os.path.join(folder, "dev_b.tsv"), "w") as f:
+        f.writelines(head)
+    dev_files = [os.path.join(folder, name) for name in ("dev_a.tsv", "dev_b.tsv")]
+    out = tmp_path / "two"
+    argv = tsv_args(folder, out) + ["--dev-file", *dev_files, "--max-steps", "2"]
+    code, _, err = run_main(argv + ["--batch-size", "8"], capfd)
+    assert code == 0 and err == [], err
+    final = json.loads((out / "final.json").read_text())
+    assert list(final["dev_splits"]) == ["dev_a", "dev_b"] and final["dev_split"] == "dev_a"
+    assert final["acc"] == final["dev_splits"]["dev_a"]["acc"]
+    argv = listops_args(listops_dir, tmp_path / "l") + ["--dev-file", *dev_files]
+    code, _, err = run_main(argv, capfd)
+    assert code == 2 and not (tmp_path / "l").exists()
+    only_line(err, "error: --dev-file: 2 files", "only --task tsv scores several dev files")
+
+
 def test_mlm_runs_and_its_loss_falls(tmp_path, capfd):
     rng = random.Random(0)
     sentences = ["the cat sat on the mat", "a dog ran to the big red house", "birds sing in the green tree",
