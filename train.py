@@ -66,11 +66,14 @@ def make_parser(defaults=True):
     add = ap.add_argument
     # the task and its data
     add("--task", choices=list(data.TASKS), metavar="TASK", help=", ".join(data.TASKS))
-    add("--data", help="the task's folder or file (listops: generated if omitted)")
-    add("--train-file", help="the training file inside --data, if not the task's usual name")
+    add("--data", help="the task's folder of train and dev files (mlm: or one text file; listops "
+                       "and lab-*: generated if omitted)")
+    add("--train-file", metavar="FILE",
+        help="the training file, any path, in place of the task's usual one in --data (not LRA's)")
     add("--dev-file", nargs="+", metavar="FILE",
-        help="the dev file, if not the task's usual one in --data; --task tsv scores several, each "
-             "a dev split named by its file's stem (the first picks ckpt_best.pt)")
+        help="the dev file, any path, in place of the task's usual one in --data (not LRA's); "
+             "--task tsv scores several, each a dev split named by its file's stem (the first "
+             "picks ckpt_best.pt)")
     add("--text-col", help="--task tsv: the text column (name or 0-based index)")
     add("--text-pair-col", help="--task tsv: an optional second text column")
     add("--label-col", help="--task tsv: the label column")
@@ -168,6 +171,15 @@ def check_args(args):
             fail(f"{flag(name)} {path}: no such file or folder")
     if args.dev_file and len(args.dev_file) > 1 and args.task != "tsv":
         fail(f"--dev-file: {len(args.dev_file)} files; only --task tsv scores several dev files")
+    # --data is a folder. Masked LM also reads one text file as --data, and a task given both
+    # --train-file and --dev-file reads no file of --data (it holds the tokenizer's cache); LRA's
+    # readers take neither flag. Any other file there is refused now, not by the reader's search.
+    lra = args.task.startswith("lra-")
+    both_files = args.train_file and args.dev_file and not lra
+    if args.data and os.path.isfile(args.data) and args.task != "mlm" and not both_files:
+        instead = "" if lra else ", or give --train-file FILE and --dev-file FILE"
+        fail(f"--data {args.data} is a file: --task {args.task} reads a folder with "
+             f"{folder_files(args.task)}{instead}")
     if args.max_steps == 0 and not args.epochs > 0:
         fail(f"--epochs {args.epochs}: must be > 0")
     if args.max_len is not None and args.max_len < 8:
@@ -181,6 +193,19 @@ def check_args(args):
     s = args.schedule
     if s and not s.startswith("linear:") and not os.path.isfile(s):
         fail(f"--schedule {s}: no such file (or linear:P_LOW:P_HIGH)")
+
+# What a task's --data folder holds, the names its reader looks for: the error that meets a file
+# in its place says so.
+def folder_files(task):
+    if task in data.GLUE:
+        names = [f"{split}.tsv" for split in ("train", *data.GLUE[task]["dev"])]
+        return ", ".join(names[:-1]) + " and " + names[-1]
+    if task.startswith("lab-"):
+        return "train.tsv and dev.tsv (generated into an empty folder)"
+    usual = {"tsv": "train.* and dev.* (.tsv, .csv or .jsonl)",
+             "listops": "basic_train.tsv and basic_val.tsv",
+             "squad": "train.json and dev.json"}
+    return usual.get(task, "the files docs/tasks.md lists")
 
 # -----------------------------------------------------------------------------------------------
 # 2. The run. main checks the flags, builds the run (setup), trains (train) and writes final.json

@@ -568,6 +568,28 @@ def test_errors_on_data(tmp_path, capfd):
     only_line(err, "error: ", "no rows after the header")
 
 
+def test_data_is_a_folder_unless_the_task_reads_a_file(tmp_path, capfd):
+    """--data FILE where the task reads a folder is one `error:` line at once, naming --data and
+    what to give instead; masked LM reads one text file as --data, and a task given --train-file
+    and --dev-file reads no file of --data: both run."""
+    folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=40, n_dev=10)
+    train_file = os.path.join(folder, "train.tsv")
+    dev_file = os.path.join(folder, "dev.tsv")
+    code, _, err = run_main(tsv_args(train_file, tmp_path / "a"), capfd)
+    assert code == 2 and not (tmp_path / "a").exists()
+    said = f"error: --data {train_file} is a file: --task tsv reads a folder with train.*"
+    only_line(err, said, "and dev.* (.tsv, .csv or .jsonl), or give --train-file FILE and")
+    files = ["--train-file", train_file, "--dev-file", dev_file]
+    argv = tsv_args(train_file, tmp_path / "b") + files + ["--max-steps", "1", "--batch-size", "8"]
+    code, _, err = run_main(argv, capfd)
+    assert code == 0 and err == [], err
+    book = tmp_path / "book.txt"
+    book.write_text("the cat sat on the mat\na dog ran to the red house\n" * 20)
+    argv = ["--task", "mlm", "--data", str(book), "--vocab-size", "20", *TINY, "--max-steps", "1"]
+    code, _, err = run_main(argv + ["--batch-size", "8", "--out", str(tmp_path / "m")], capfd)
+    assert code == 0 and err == [], err
+
+
 def test_error_is_one_line_in_a_real_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "train.py", "--task", "listops", "--init", str(tmp_path / "missing.pt"),
