@@ -14,6 +14,7 @@ import io
 import json
 import os
 import random
+import re
 import sys
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -292,6 +293,7 @@ class SentencePieceTokenizer(_Tokenizer):
 # A SentencePiece model of the training texts, for a model trained from scratch on text (§4),
 # cached as PREFIX-<hash>.model, the hash of vocabulary size, model type and every text: the same
 # data reuses the file. SentencePiece's error (a vocabulary too large for the text) is one line.
+# vocab_size is train.py's --vocab-size, and the line names the flag (sentencepiece_error).
 def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="unigram"):
     texts = [t for t in texts if t.strip()]
     key = "\n".join([f"{vocab_size} {model_type}", *texts]).encode("utf-8")
@@ -306,8 +308,23 @@ def train_sentencepiece(texts, model_prefix_path, vocab_size=8000, model_type="u
                 user_defined_symbols=["<mask>"], input_sentence_size=2_000_000,
                 shuffle_input_sentence=True, minloglevel=2)
         except RuntimeError as e:
-            raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]}") from None
+            reason = str(e).strip().splitlines()[-1]
+            raise DataError(sentencepiece_error(reason, vocab_size)) from None
     return _scratch_spm(Path(prefix + ".model").read_bytes())
+
+# SentencePiece's reason, as one line that names --vocab-size and the value to give: a vocabulary
+# larger than the texts allow ("Please set it to a value <= N."), smaller than their characters and
+# the special pieces need ("smaller than required_chars. V vs N."), or another reason as it reads.
+def sentencepiece_error(reason, vocab_size):
+    most = re.search(r"value <= (\d+)", reason)
+    least = re.search(r"required_chars\. \d+ vs (\d+)", reason)
+    if most:
+        return (f"--vocab-size {vocab_size}: too large for these training texts; sentencepiece "
+                f"allows at most {most[1]}, so give --vocab-size {most[1]} or less")
+    if least:
+        return (f"--vocab-size {vocab_size}: too small for these training texts; sentencepiece "
+                f"needs at least {least[1]} (their characters and the special pieces)")
+    return f"--vocab-size {vocab_size}: sentencepiece training failed: {reason}"
 
 def _scratch_spm(model_bytes):                      # trained here, with the files to rebuild it
     files = {KIND_FILE: json.dumps({"kind": "sentencepiece"}).encode(), SPM_FILE: model_bytes}

@@ -78,7 +78,9 @@ def make_parser(defaults=True):
     add("--text-pair-col", help="--task tsv: an optional second text column")
     add("--label-col", help="--task tsv: the label column")
     add("--max-len", type=int, help="tokens per example (default: the task's, at most the model's)")
-    add("--vocab-size", type=int, default=8000, help="from scratch on text: SentencePiece's size")
+    add("--vocab-size", type=int, default=8000,
+        help="from scratch on text: the SentencePiece vocabulary's size (a small training file "
+             "allows fewer; the error says how many)")
     # the model: a checkpoint, or a new one of this size
     add("--init", help="an HF folder, a .pt (python model.py convert), or 'scratch'")
     add("--layers", type=int, help="from scratch: layers")

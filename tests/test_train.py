@@ -590,6 +590,24 @@ def test_data_is_a_folder_unless_the_task_reads_a_file(tmp_path, capfd):
     assert code == 0 and err == [], err
 
 
+def test_a_vocab_size_too_large_for_the_data_names_the_flag(tmp_path, capfd):
+    """From scratch on a small file, the default --vocab-size 8000 is more than SentencePiece can
+    make: one `error:` line naming --vocab-size and the most the texts allow, before --out is made;
+    that many trains."""
+    folder = write_zebra_tsv(str(tmp_path / "zebra"), n_train=40, n_dev=10)
+    argv = tsv_args(folder, tmp_path / "a")
+    at = argv.index("--vocab-size")
+    del argv[at:at + 2]                                  # the default's 8000
+    argv += ["--max-steps", "1", "--batch-size", "8"]
+    code, _, err = run_main(argv, capfd)
+    assert code == 2 and not (tmp_path / "a").exists()
+    only_line(err, "error: --vocab-size 8000: too large for these training texts", "or less")
+    most = re.search(r"give --vocab-size (\d+) or less", err[0])
+    assert most, err[0]
+    code, _, err = run_main(argv + ["--vocab-size", most[1]], capfd)
+    assert code == 0 and err == [], err
+
+
 def test_error_is_one_line_in_a_real_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "train.py", "--task", "listops", "--init", str(tmp_path / "missing.pt"),
