@@ -1,8 +1,9 @@
 """train.py: the training loop of attnreg, nanoGPT's train.py for encoders, on the CPU or the GPU.
 
-Run:  python train.py                      # the demo (DEMO): ListOps, HST + SAR + AttendOut
-      python train.py --max-steps 100      # the same demo cut to 100 steps (a minute)
-      python train.py --init roberta.pt --task sst2 --data glue/SST-2      # fine-tune a checkpoint
+Run:  python train.py                                     # the demo (DEMO), into out/demo
+      python train.py --max-steps 100 --out out/demo-100    # the same demo cut to 100 steps
+      python train.py --init roberta.pt --task sst2 --data glue/SST-2 --out out/sst2   # fine-tune
+Each run writes its own --out folder; a second run into one needs --overwrite or --resume.
 """
 import argparse
 import itertools

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import types
@@ -298,6 +299,46 @@ def test_the_demo_defaults_are_in_one_place():
     assert tuned.given == ["block_size", "init"] and tuned.block_size == 16
     assert {k: getattr(tuned, k) for k in train.FINETUNE if k != "block_size"} == \
         {k: v for k, v in train.FINETUNE.items() if k != "block_size"}
+
+
+def quickstart_runs(text):
+    """The `python train.py ...` lines of README's Quickstart section (up to the next "## "
+    heading), in the order printed: each line of its code blocks, a trailing comment cut off and a
+    `\\` continuation joined. Inline mentions in the prose are not runs."""
+    section = text.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    runs = []
+    fenced = False
+    for line in section.replace("\\\n", " ").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced and line.split("#")[0].split()[:2] == ["python", "train.py"]:
+            runs.append(" ".join(line.split("#")[0].split()))
+    return runs
+
+
+def docstring_runs():
+    """The `python train.py ...` lines of train.py's docstring ("Run:"), comments cut off."""
+    lines = [line.replace("Run:", "").split("#")[0] for line in train.__doc__.splitlines()]
+    return [" ".join(line.split()) for line in lines if line.split()[:2] == ["python", "train.py"]]
+
+
+def test_the_printed_demo_commands_run_in_order():
+    """README's Quickstart and train.py's docstring print runs to follow one after another: none
+    may write a --out folder an earlier one wrote (that ends in `--out ... holds another run`)
+    unless it passes --overwrite or --resume. Each is read by train.py's own parser."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for where, runs in (("README.md's Quickstart", quickstart_runs(readme)),
+                        ("train.py's docstring", docstring_runs())):
+        assert len(runs) >= 3, (where, runs)              # the demo, 100 steps of it, another run
+        written = {}                                     # --out -> the run that wrote it
+        for command in runs:
+            args = train.parse_args(shlex.split(command)[2:])
+            out = os.path.normpath(args.out)
+            again = out in written and not (args.overwrite or args.resume)
+            earlier = written.get(out)
+            assert not again, f"{where}: `{command}` writes --out {args.out}, as `{earlier}` did"
+            written[out] = command
 
 
 def test_as_rows_flattens_pairs_and_leaves_single_sequences():
