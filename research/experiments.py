@@ -27,6 +27,7 @@ train.tsv and dev.tsv as label<TAB>sentence.
 """
 import argparse
 import collections
+import functools
 import hashlib
 import json
 import math
@@ -57,7 +58,8 @@ def run_train(flags, out, a):
         if not os.path.exists(final):
             cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--out", out, "--overwrite",
                    "--threads", str(a.threads)]
-            a.plan.append((cmd, out))
+            if out not in [folder for _, folder in a.plan]:    # two parts of a grid may share a run
+                a.plan.append((cmd, out))
         return None
     with open(final) as f:
         return json.load(f)
@@ -1067,11 +1069,188 @@ def sar_ce(a):
 
 
 # -----------------------------------------------------------------------------
+# A shortcut in real text (issue 47; docs/results.md, "A shortcut in real text"): SST-2 and MR at the lowres
+# setting, one word put first in every training sentence that agrees with the label with probability p. On dev
+# the word is chosen at random, and dev is scored in its two halves: the word agrees, the word disagrees.
+# Reliance on the word: accuracy on the agreeing half minus the disagreeing half (0 for a model that ignores it).
+
+SHORTCUT_WORDS = ["river", "table"]     # label 0's word, label 1's: no sentiment, one WordPiece token each
+SHORTCUT_SEED = 0                       # which sentences get the other word, and dev's words
+SHORTCUT_FLAGS = ["--task", "tsv", "--text-col", "1", "--label-col", "0", "--max-len", "64", "--batch-size",
+                  "32", "--eval-every", "1000000", "--save-every", "0"]   # train.py's fine-tuning defaults else
+# The second AttendOut row's setting, fixed by the probe part (seeds 10 and 11, SST-2) before the grid ran
+SHORTCUT_TUNED = ["--gnet-tau", "0.1"]
+SHORTCUT_ROWS = {           # the baseline first; "scheduled" replays the attendout run of its data and seed
+    "standard": ["--attn-dropout", "standard"],
+    "none": ["--attn-dropout", "none"],
+    "attendout": ["--attn-dropout", "attendout"],
+    "scheduled": ["--attn-dropout", "scheduled", "--schedule", "{attendout_out}/droprates.jsonl"],
+    "rdrop": ["--attn-dropout", "standard", "--rdrop", "1.0"],
+    "attendout_tuned": ["--attn-dropout", "attendout", *SHORTCUT_TUNED],
+    "clean": ["--attn-dropout", "none"],                 # no word, in training or on dev: the ceiling
+    "hst": ["--attn-dropout", "standard", "--attention", "hst", *PRE_SPARSE_TOPOLOGY],
+    "hst+sar": ["--attn-dropout", "standard", "--attention", "hst", *PRE_SPARSE_TOPOLOGY, "--sar", "1.0"],
+    # the probe's candidates for attendout_tuned
+    "attendout_tau_0.1": ["--attn-dropout", "attendout", "--gnet-tau", "0.1"],
+    "attendout_tau_0.02": ["--attn-dropout", "attendout", "--gnet-tau", "0.02"],
+    "attendout_gnet_lr_1e-6": ["--attn-dropout", "attendout", "--gnet-lr", "1e-6"],
+}
+# The parts, in the order they run: (p, data sets: "all" is --datasets, "first" its first, rows, seeds)
+SHORTCUT_PARTS = {
+    "probe": (0.9, "first", ["standard", "attendout", "attendout_tau_0.1", "attendout_tau_0.02",
+                             "attendout_gnet_lr_1e-6"], [10, 11]),
+    "main": (0.9, "all", ["standard", "none", "attendout", "scheduled", "rdrop", "attendout_tuned", "clean"],
+             [0, 1, 2, 3, 4]),
+    "sparse": (0.9, "first", ["standard", "hst", "hst+sar"], [0, 1, 2, 3, 4]),
+    "p1": (1.0, "first", ["standard", "none", "attendout", "attendout_tuned"], [0, 1, 2]),
+}
+
+
+def shortcut_data(a, ds, p):
+    """OUT/shortcut-data/DS-pP/: train.tsv (the lowres subsample, each sentence opened by its label's word, or
+    with probability 1 - p the other's), dev_agree.tsv and dev_disagree.tsv (every dev sentence opened by a word
+    drawn at random, filed by whether it agrees). Returns the folder."""
+    flags, _ = setting_flags(a, ds, "lowres")
+    folder = os.path.join(a.out, "shortcut-data", f"{ds}-p{p:g}")
+    rng = random.Random(SHORTCUT_SEED)
+    train = []
+    for line in open(flags[flags.index("--train-file") + 1]):
+        label, text = line.rstrip("\n").split("\t", 1)
+        word = SHORTCUT_WORDS[int(label)] if rng.random() < p else SHORTCUT_WORDS[1 - int(label)]
+        train.append(f"{label}\t{word} {text}\n")
+    halves = {"agree": [], "disagree": []}
+    for line in open(os.path.join(a.data_root, ds, "dev.tsv")):
+        if not line.strip():
+            continue
+        label, text = line.rstrip("\n").split("\t", 1)
+        word = rng.choice(SHORTCUT_WORDS)
+        halves["agree" if word == SHORTCUT_WORDS[int(label)] else "disagree"].append(f"{label}\t{word} {text}\n")
+    os.makedirs(folder, exist_ok=True)
+    for name, lines in [("train", train), ("dev_agree", halves["agree"]), ("dev_disagree", halves["disagree"])]:
+        with open(os.path.join(folder, name + ".tsv.tmp"), "w") as f:
+            f.writelines(lines)
+        os.replace(os.path.join(folder, name + ".tsv.tmp"), os.path.join(folder, name + ".tsv"))
+    return folder
+
+
+def shortcut_flags(a, ds, p, name):
+    """train.py's data flags of a row: the clean row the plain lowres files, every other row the word's."""
+    flags, epochs = setting_flags(a, ds, "lowres")
+    if name == "clean":
+        return flags + ["--epochs", str(epochs)]
+    folder = shortcut_data(a, ds, p)
+    halves = [os.path.join(folder, f"dev_{h}.tsv") for h in ("agree", "disagree")]
+    return ["--data", folder, "--train-file", os.path.join(folder, "train.tsv"), "--dev-file", *halves,
+            "--epochs", str(epochs)]
+
+
+def shortcut_record(final, folder):
+    """One run's numbers, accuracies in percent: the whole dev set (the halves weighted by their sizes), each
+    half, the reliance (agree - disagree), the cross-entropy at step 20 (how fast the word is taken), and for
+    AttendOut what its G-Nets masked (masks_died; the word's masking ratio, shortcut_text_masking)."""
+    splits = final["dev_splits"]
+    rec = {"ce_step20": next((r["ce"] for r in read_jsonl(os.path.join(folder, "log.jsonl"))
+                              if r.get("step") == 20 and "ce" in r), None),
+           "masks_died": final.get("masks_died"), "wall_time_s": final["wall_time_s"]}
+    if "dev" in splits:                                  # the clean row
+        return {**rec, "whole": 100 * splits["dev"]["acc"], "agree": None, "disagree": None, "reliance": None}
+    n = {h: sum(1 for _ in open(final["args"]["dev_file"][i])) for i, h in enumerate(("agree", "disagree"))}
+    acc = {h: splits[f"dev_{h}"]["acc"] for h in n}
+    whole = sum(acc[h] * n[h] for h in n) / sum(n.values())
+    rec.update(whole=100 * whole, agree=100 * acc["agree"], disagree=100 * acc["disagree"],
+               reliance=100 * (acc["agree"] - acc["disagree"]))
+    if final["args"]["attn_dropout"] == "attendout":
+        rec["masking"] = shortcut_text_masking(folder, final["args"]["train_file"], final["args"]["init"])
+    return rec
+
+
+def shortcut_text_masking(folder, train_file, init):
+    """Per layer, at 10% / 25% / 50% / 100% of training: the share of masked pairs whose key is the word (position
+    1, after [CLS]; droprates.jsonl's masked_by_key) over the word's share of all real pairs, sum L / sum L^2
+    over the training sentences of L tokens (each of a sentence's L queries has the word among its L^2 pairs).
+    1: masked as often as any key; above 1: the G-Nets single it out. Also each layer's masking rate."""
+    share = word_share(train_file, init)
+    lines = [r for r in read_jsonl(os.path.join(folder, "droprates.jsonl")) if "masked_by_key" in r]
+    at = [next(r for r in lines if r["step_frac"] >= p - 1e-9) for p in (0.1, 0.25, 0.5, 1.0)]
+    return {"word_ratio": [[layer[1] / share if layer else 0.0 for layer in r["masked_by_key"]] for r in at],
+            "drop_rate": [r["drop_rate"] for r in at]}
+
+
+@functools.lru_cache(maxsize=None)
+def word_share(train_file, init):
+    """sum L / sum L^2 over a training file's sentences, L their tokens (at most --max-len 64) under init's
+    tokenizer: the share of all real (query, key) pairs whose key is one given position of each sentence."""
+    tok = data.tokenizer_from_path(init)
+    lengths = [min(64, len(tok.encode(line.split("\t", 1)[1].strip()))) for line in open(train_file)]
+    return sum(lengths) / sum(n * n for n in lengths)
+
+
+def shortcut_text(a):
+    """The parts (--parts) of SHORTCUT_PARTS: each row's dev accuracy, halves and reliance, paired by seed with
+    standard dropout; what the AttendOut rows' G-Nets masked; the word's loss at step 20."""
+    records = collections.defaultdict(list)              # (part, ds, row) -> [record per seed]
+    for part in a.parts:
+        p, which, rows, seeds = SHORTCUT_PARTS[part]
+        datasets = a.datasets if which == "all" else a.datasets[:1]
+        for ds in datasets:
+            for s in a.seeds or seeds:
+                for name in [row for row in chosen(a, SHORTCUT_ROWS) if row in rows]:
+                    out = os.path.join(a.out, f"{ds}-p{p:g}-{run_name(name)}-s{s}")
+                    ao_out = os.path.join(a.out, f"{ds}-p{p:g}-attendout-s{s}")
+                    extra = [x.format(attendout_out=ao_out) for x in SHORTCUT_ROWS[name]]
+                    flags = [*SHORTCUT_FLAGS, "--init", a.init, *shortcut_flags(a, ds, p, name), *extra, *a.extra,
+                             "--seed", str(s)]
+                    final = run_train(flags, out, a)
+                    if final is not None:
+                        records[(part, ds, name)].append(shortcut_record(final, out))
+                        drop_checkpoints(out)
+    if a.plan is not None:                               # main's planning pass: nothing ran yet
+        return
+    lines = ["| part | p | data | row | dev acc, whole (%) | agreeing half (%) | disagreeing half (%) "
+             "| reliance: agree - disagree (points) | paired diff to standard, 95% CI: reliance | disagreeing half "
+             "| whole | CE at step 20 | time per run (s) |", "|---" * 13 + "|"]
+    show = lambda recs, key: fmt([r[key] / 100 for r in recs]) if recs[0][key] is not None else "-"
+    for (part, ds, name), recs in records.items():
+        base = records.get((part, ds, "standard"))
+        diff = lambda key: (fmt_diff([r[key] / 100 for r in base], [r[key] / 100 for r in recs])
+                            if base and recs[0][key] is not None and base is not recs else "-")
+        if base is recs:
+            diff = lambda key: "(baseline)"
+        ce = [r["ce_step20"] for r in recs if r["ce_step20"] is not None]
+        lines.append(f"| {part} | {SHORTCUT_PARTS[part][0]:g} | {ds} | {name} | {show(recs, 'whole')} "
+                     f"| {show(recs, 'agree')} | {show(recs, 'disagree')} | {show(recs, 'reliance')} "
+                     f"| {diff('reliance')} | {diff('disagree')} | {diff('whole')} "
+                     f"| {statistics.mean(ce) if ce else float('nan'):.3f} "
+                     f"| {statistics.mean(r['wall_time_s'] for r in recs):.0f} |")
+    lines += ["", "| part | data | row | seed | reliance (points) | masks died at step | layer | the word's share of "
+              "masked pairs over its share of all pairs, at 10% / 25% / 50% / 100% of training | masking rate, "
+              "same points |", "|---" * 9 + "|"]
+    for (part, ds, name), recs in records.items():
+        for s, r in zip(a.seeds or SHORTCUT_PARTS[part][3], recs):
+            if "masking" not in r:
+                continue
+            m = r["masking"]
+            for layer in range(len(m["word_ratio"][0])):
+                ratio = " / ".join(f"{x[layer]:.2f}" for x in m["word_ratio"])
+                rate = " / ".join(f"{x[layer]:.2f}" for x in m["drop_rate"])
+                lines.append(f"| {part} | {ds} | {name} | {s} | {r['reliance']:.1f} | {r['masks_died']} "
+                             f"| {layer + 1} | {ratio} | {rate} |")
+    note = (f"Fine-tuned from {a.init} at train.py's fine-tuning defaults (lr 2e-5, 3 epochs, batch 32) on the "
+            f"lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} for label 0, "
+            f"{SHORTCUT_WORDS[1]!r} for label 1, first in the sentence; dev: a random word, scored in its agreeing "
+            f"and disagreeing halves (shortcut_data, seed {SHORTCUT_SEED}). Paired differences to standard over "
+            f"seeds, 95% t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: "
+            f"{' '.join(SHORTCUT_FLAGS + a.extra)}")
+    raw = {"|".join(key): recs for key, recs in records.items()}
+    write_table(a, "results_shortcut_text", lines, note, raw)
+
+
+# -----------------------------------------------------------------------------
 # The command line
 
 EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-long-probe": listops_long_probe,
                "pretrained-sparse": pretrained_sparse, "pretrained-attendout": pretrained_attendout, "lab": lab,
-               "gnet-lr": gnet_lr, "sar-ce": sar_ce}
+               "gnet-lr": gnet_lr, "sar-ce": sar_ce, "shortcut-text": shortcut_text}
 
 
 def main(argv=None):
@@ -1101,12 +1280,15 @@ def main(argv=None):
     ap.add_argument("--base", default=None,
                     help="lab: another lab's --out (or its lab.json, e.g. docs/results/results_lab.json): every "
                          "row both ran, paired by seed against it (OUT/base.md)")
+    ap.add_argument("--parts", nargs="+", default=None, choices=list(SHORTCUT_PARTS),
+                    help="shortcut-text: these parts (default: main sparse p1; probe: the candidates for "
+                         "attendout_tuned, on other seeds)")
     ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed alone")
     ap.add_argument("--tasks", nargs="+", default=None, help="lab: only these tasks' rows (default: all of data.LAB)")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     a = ap.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
-    if a.seeds is None and a.experiment != "lab":         # the lab's tasks each have their own (LAB_SEEDS)
+    if a.seeds is None and a.experiment not in ("lab", "shortcut-text"):   # these have their own per part
         a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]
     a.out = a.out or os.path.join("out", "listops-long" if a.experiment == "listops-long-probe" else a.experiment)
     if a.candidates and a.experiment != "listops-long":
@@ -1115,14 +1297,19 @@ def main(argv=None):
         fail("--quick: only for lab")
     if a.tasks is not None and a.experiment != "lab":
         fail("--tasks: only for lab")
+    if a.parts is not None and a.experiment != "shortcut-text":
+        fail("--parts: only for shortcut-text")
+    a.parts = a.parts or ["main", "sparse", "p1"]
     if a.base is not None and a.experiment != "lab":
         fail("--base: only for lab")
+    if a.base is not None:
+        read_lab_runs(a.base)                            # a missing base fails before anything runs
     if a.experiment == "lab":
         unknown = [t for t in a.tasks or [] if t not in data.LAB]
         if unknown:
             fail(f"--tasks {' '.join(unknown)}: not a lab task (known: {', '.join(data.LAB)})")
         a.tasks = a.tasks or (["lab-reach"] if a.quick else list(data.LAB))
-    if a.experiment.startswith("pretrained") or a.experiment == "gnet-lr":
+    if a.experiment.startswith("pretrained") or a.experiment in ("gnet-lr", "shortcut-text"):
         if a.init is None:
             fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
         if not os.path.exists(a.init):

@@ -3,6 +3,7 @@ sparse.dense_mask, and the grid's commands (--dry-run, --quick).
 
 Run: python -m pytest -q research/tests/test_lab_grid.py
 """
+import argparse
 import json
 import os
 
@@ -188,3 +189,82 @@ def test_table_of_a_grid():
     one = experiments.lab_table([r for r in synthetic_runs([0]) if r["task"] == "lab-shortcut"])
     assert "| shortcut | attendout - standard | +39.0 (one seed: no interval) |" in one
     assert "reach" not in one and "boundary" not in one
+
+
+def test_contrasts_pair_runs_by_seed():
+    """A contrast pairs each seed's run with the same seed's run of the other row, whatever order lab.json holds
+    them in and whichever seeds only one row ran: standard at 51 + s, attendout at 52 + s (its seeds listed in
+    reverse, seed 7 alone) is +1.0 at every seed."""
+    runs = [r for r in synthetic_runs([0, 1, 2]) if r["row"] in ("shortcut-dense-g0-standard",
+                                                                   "shortcut-dense-g0-attendout-gnetlr0.0001")]
+    for r in runs:
+        r["dev_acc"] = 51.0 + r["seed"] + (r["attn_dropout"] == "attendout")
+    standard = [r for r in runs if r["attn_dropout"] == "standard"]
+    attendout = [r for r in runs if r["attn_dropout"] == "attendout"][::-1]
+    extra = {**attendout[0], "seed": 7, "dev_acc": 10.0}
+    table = experiments.lab_table(standard + [extra] + attendout)
+    assert "| shortcut | attendout - standard | +1.0 [+1.0, +1.0] |" in table
+
+
+def test_variants_pick_rows_by_name(tmp_path, capfd):
+    """--variants: the named rows alone (the run folder without its seed); a scheduled row brings the row it
+    replays; an unknown name is one error line that lists the known ones."""
+    out = str(tmp_path / "lab")
+    experiments.main(["lab", "--tasks", "lab-reach", "--variants", "reach-hst-g0", "--seeds", "0", "--dry-run",
+                      "--out", out])
+    runs = commands(capfd)
+    assert len(runs) == 1 and " --attention hst " in runs[0][1]
+    experiments.main(["lab", "--variants", "shortcut-dense-g0-scheduled", "--seeds", "1", "--dry-run", "--out", out])
+    names = [os.path.basename(folder) for folder, _ in commands(capfd)]
+    assert names == ["shortcut-dense-g0-attendout-gnetlr0.0001-s1", "shortcut-dense-g0-scheduled-s1"]
+    with pytest.raises(SystemExit):
+        experiments.main(["lab", "--variants", "no-such-row", "--dry-run", "--out", out])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --variants no-such-row: not a row of lab; choose among ")
+    assert "reach-hst-g0" in err[0]
+
+
+def test_base_pairs_rows_both_labs_ran(tmp_path, capfd):
+    """--base: every row both labs ran, this - base over the seeds both ran; a base without lab.json is one
+    error line, before anything runs."""
+    base = synthetic_runs([0, 1, 2])
+    mine = [{**r, "dev_acc": r["dev_acc"] + 2.0 + r["seed"]} for r in synthetic_runs([1, 2, 3])
+            if r["row"] == "reach-hst-g0"]
+    text = experiments.against_base(mine, base, "out/lab")
+    assert "| reach-hst-g0 | dev_acc | 1 2 | 100.0 +- 0.0 | 103.5 +- 0.7 | +3.5 [-2.9, +9.9] |" in text
+    assert "boundary" not in text
+    with pytest.raises(SystemExit):
+        experiments.main(["lab", "--variants", "reach-hst-g0", "--base", str(tmp_path / "none"), "--out",
+                          str(tmp_path / "lab"), "--seeds", "0", "--dry-run"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --base {tmp_path / 'none'}: no lab.json there")
+
+
+def test_jobs_give_the_runs_one_at_a_time_gives(tmp_path):
+    """--jobs 3 runs the same runs as --jobs 1 (each its own seeded process): lab.json's numbers agree run for
+    run; the scheduled row starts only after the run it replays, though a slot is free (else its --schedule file
+    is missing)."""
+    rows = ["reach-hst-g0", "shortcut-dense-g0-scheduled"]
+    labs = {}
+    for jobs in (1, 3):
+        out = str(tmp_path / f"jobs{jobs}")
+        experiments.main(["lab", "--variants", *rows, "--seeds", "0", "--jobs", str(jobs), "--out", out,
+                          "--extra", "--max-steps", "3"])
+        with open(os.path.join(out, "lab.json")) as f:
+            labs[jobs] = [{k: v for k, v in r.items() if k != "wall_time_s"} for r in json.load(f)["runs"]]
+    assert len(labs[1]) == 3 and labs[1] == labs[3]
+
+
+def test_a_failed_run_stops_the_others_and_names_its_log(tmp_path, capfd):
+    """run_all: a run that fails ends the grid with one error line naming its log, and the run beside it is
+    stopped, not waited for."""
+    a = argparse.Namespace(jobs=2, threads=1, out=str(tmp_path))
+    sleep = [experiments.sys.executable, "-c", "import time; time.sleep(60)"]
+    crash = [experiments.sys.executable, "-c", "import sys; sys.exit(3)"]
+    t = experiments.time.time()
+    with pytest.raises(SystemExit):
+        experiments.run_all([(sleep, str(tmp_path / "slow")), (crash, str(tmp_path / "bad"))], a)
+    assert experiments.time.time() - t < 30
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: run failed (exit 3); see {tmp_path / 'bad.log'}; stopped 1 other run(s) " \
+                      "(the next call resumes the grid)"
