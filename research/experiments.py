@@ -50,13 +50,14 @@ from model import build_model, read_checkpoint  # noqa: E402
 # -----------------------------------------------------------------------------
 # Runs, tables and paired statistics
 
-def run_train(flags, out, a):
-    """One `python train.py FLAGS` run into `out`: its final.json, or None while the grid is being planned (the
-    run, unless finished, joins a.plan; run_all runs the plan, then the grid reads every final.json)."""
+def run_train(flags, out, a, script="train.py"):
+    """One `python train.py FLAGS` run into `out` (or another script that takes train.py's flags): its final.json,
+    or None while the grid is being planned (the run, unless finished, joins a.plan; run_all runs the plan, then
+    the grid reads every final.json)."""
     final = os.path.join(out, "final.json")
     if a.plan is not None:
         if not os.path.exists(final):
-            cmd = [sys.executable, os.path.join(ROOT, "train.py"), *flags, "--out", out, "--overwrite",
+            cmd = [sys.executable, os.path.join(ROOT, script), *flags, "--out", out, "--overwrite",
                    "--threads", str(a.threads)]
             if out not in [folder for _, folder in a.plan]:    # two parts of a grid may share a run
                 a.plan.append((cmd, out))
@@ -1090,6 +1091,10 @@ SHORTCUT_ROWS = {           # the baseline first; "scheduled" replays the attend
     "clean": ["--attn-dropout", "none"],                 # no word, in training or on dev: the ceiling
     "hst": ["--attn-dropout", "standard", "--attention", "hst", *PRE_SPARSE_TOPOLOGY],
     "hst+sar": ["--attn-dropout", "standard", "--attention", "hst", *PRE_SPARSE_TOPOLOGY, "--sar", "1.0"],
+    # AttendOut with an oracle's mask in place of the G-Nets' (research/oracle_mask.py: the word's column masked
+    # in layer 1, or in every layer, and nothing else)
+    "oracle_layer1": ["--attn-dropout", "attendout", "--oracle-layers", "1"],
+    "oracle_all": ["--attn-dropout", "attendout", "--oracle-layers", "1", "2", "3", "4", "5", "6"],
     # the probe's candidates for attendout_tuned
     "attendout_tau_0.1": ["--attn-dropout", "attendout", "--gnet-tau", "0.1"],
     "attendout_tau_0.02": ["--attn-dropout", "attendout", "--gnet-tau", "0.02"],
@@ -1103,6 +1108,7 @@ SHORTCUT_PARTS = {
              [0, 1, 2, 3, 4]),
     "sparse": (0.9, "first", ["standard", "hst", "hst+sar"], [0, 1, 2, 3, 4]),
     "p1": (1.0, "first", ["standard", "none", "attendout", "attendout_tuned"], [0, 1, 2]),
+    "oracle": (0.9, "first", ["standard", "attendout", "oracle_layer1", "oracle_all"], [0, 1, 2, 3, 4]),
 }
 
 
@@ -1200,7 +1206,8 @@ def shortcut_text(a):
                     extra = [x.format(attendout_out=ao_out) for x in SHORTCUT_ROWS[name]]
                     flags = [*SHORTCUT_FLAGS, "--init", a.init, *shortcut_flags(a, ds, p, name), *extra, *a.extra,
                              "--seed", str(s)]
-                    final = run_train(flags, out, a)
+                    script = "research/oracle_mask.py" if name.startswith("oracle") else "train.py"
+                    final = run_train(flags, out, a, script)
                     if final is not None:
                         records[(part, ds, name)].append(shortcut_record(final, out))
                         drop_checkpoints(out)
@@ -1281,7 +1288,7 @@ def main(argv=None):
                     help="lab: another lab's --out (or its lab.json, e.g. docs/results/results_lab.json): every "
                          "row both ran, paired by seed against it (OUT/base.md)")
     ap.add_argument("--parts", nargs="+", default=None, choices=list(SHORTCUT_PARTS),
-                    help="shortcut-text: these parts (default: main sparse p1; probe: the candidates for "
+                    help="shortcut-text: these parts (default: main sparse p1 oracle; probe: the candidates for "
                          "attendout_tuned, on other seeds)")
     ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed alone")
     ap.add_argument("--tasks", nargs="+", default=None, help="lab: only these tasks' rows (default: all of data.LAB)")
@@ -1299,7 +1306,7 @@ def main(argv=None):
         fail("--tasks: only for lab")
     if a.parts is not None and a.experiment != "shortcut-text":
         fail("--parts: only for shortcut-text")
-    a.parts = a.parts or ["main", "sparse", "p1"]
+    a.parts = a.parts or ["main", "sparse", "p1", "oracle"]
     if a.base is not None and a.experiment != "lab":
         fail("--base: only for lab")
     if a.base is not None:

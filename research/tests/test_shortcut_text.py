@@ -7,9 +7,12 @@ Run: python -m pytest -q research/tests/test_shortcut_text.py
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+import data
 import experiments
 
 WORDS = experiments.SHORTCUT_WORDS
@@ -86,13 +89,16 @@ def test_grid_through_the_parser(tmp_path, capfd):
     init.write_text("")
     common = ["shortcut-text", "--init", str(init), "--data-root", toy_root(tmp_path, ("sst2", "mr")), "--out",
               str(tmp_path / "grid"), "--dry-run"]
-    experiments.main(common + ["--parts", "main", "sparse"])
+    experiments.main(common + ["--parts", "main", "sparse", "oracle"])
     order = planned(capfd)
     runs = dict(order)
     main = [f"{ds}-p0.9-{row}-s{s}" for ds in ("sst2", "mr") for s in range(5)
             for row in ("standard", "none", "attendout", "scheduled", "rdrop", "attendout_tuned", "clean")]
-    sparse = [f"sst2-p0.9-{row}-s{s}" for s in range(5) for row in ("hst", "hst_sar")]
+    sparse = [f"sst2-p0.9-{row}-s{s}" for s in range(5) for row in ("hst", "hst_sar", "oracle_layer1",
+                                                                      "oracle_all")]
     assert sorted(name for name, _ in order) == sorted(main + sparse)           # each run once
+    assert "research/oracle_mask.py --task tsv" in runs["sst2-p0.9-oracle_all-s4"]
+    assert "--oracle-layers 1 2 3 4 5 6" in runs["sst2-p0.9-oracle_all-s4"]
     replay = os.path.join(str(tmp_path / "grid"), "mr-p0.9-attendout-s3", "droprates.jsonl")
     assert f"--schedule {replay} " in runs["mr-p0.9-scheduled-s3"]
     assert "--dev-file" not in runs["sst2-p0.9-clean-s0"] and "dev_disagree.tsv" in runs["sst2-p0.9-none-s0"]
@@ -106,3 +112,22 @@ def test_grid_through_the_parser(tmp_path, capfd):
             experiments.main(argv)
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(("error: --parts: only for", "error: --variants no-such-row"))
+
+
+def test_oracle_masks_the_words_column_alone(tmp_path):
+    """research/oracle_mask.py --oracle-layers 1: through train.py, the masked pass masks every query's pair with
+    key 1 in layer 1 and nothing else (masked_by_key all on position 1; layer 2 masks nothing)."""
+    folder = str(tmp_path / "listops")
+    data.write_listops(folder, 64, 16, 16, min_len=10, max_len=60, seed=1, max_depth=3, max_args=4)
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(experiments.ROOT, "research", "oracle_mask.py"), "--oracle-layers", "1",
+           "--task", "listops", "--data", folder, "--init", "scratch", "--layers", "2", "--hidden", "32",
+           "--heads", "2", "--ffn", "64", "--attention", "dense", "--attn-dropout", "attendout", "--sar", "0",
+           "--max-steps", "2", "--log-every", "1", "--batch-size", "8", "--out", str(out), "--threads", "1"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    lines = [json.loads(line) for line in open(out / "droprates.jsonl")]
+    assert len(lines) == 2
+    for r in lines:
+        layer1, layer2 = r["masked_by_key"]
+        assert layer1[1] == 1.0 and sum(layer1) == 1.0 and not any(layer2)
+        assert 0 < r["drop_rate"][0] < 0.2 and r["drop_rate"][1] == 0.0
