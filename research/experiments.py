@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,11 +78,13 @@ def run_all(plan, a):
     """Run the planned (command, folder) pairs, a.jobs at a time, each its own train.py process at --threads
     threads, its console in OUT/NAME.log; a scheduled run starts after the run it replays. One line per run
     started and finished. A failed run stops the others and names its log; Ctrl-C stops them all. Either way the
-    finished runs stay finished (the next call skips them) and the stopped ones start over."""
+    finished runs stay finished (the next call skips them) and the stopped ones start over. SIGTERM (`kill`) does
+    the same as Ctrl-C."""
     waiting = list(plan)
     running = {}                                         # Popen -> (folder, log file, start time)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     failed = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # `kill` stops the children too (finally)
     try:
         while (waiting or running) and failed is None:
             pending = {out for _, out in waiting} | {out for out, _, _ in running.values()}
