@@ -178,6 +178,9 @@ def check_args(args):
     # --train-file and --dev-file reads no file of --data (it holds the tokenizer's cache); LRA's
     # readers take neither flag. Any other file there is refused now, not by the reader's search.
     lra = args.task.startswith("lra-")
+    if lra and (args.train_file or args.dev_file):
+        fail(f"--train-file / --dev-file: --task {args.task} reads the release's own files in --data "
+             "(docs/tasks.md)")
     both_files = args.train_file and args.dev_file and not lra
     if args.data and os.path.isfile(args.data) and args.task != "mlm" and not both_files:
         instead = "" if lra else ", or give --train-file FILE and --dev-file FILE"

@@ -629,6 +629,11 @@ def test_data_is_a_folder_unless_the_task_reads_a_file(tmp_path, capfd):
     argv = ["--task", "mlm", "--data", str(book), "--vocab-size", "20", *TINY, "--max-steps", "1"]
     code, _, err = run_main(argv + ["--batch-size", "8", "--out", str(tmp_path / "m")], capfd)
     assert code == 0 and err == [], err
+    # LRA reads its release's files alone: --train-file there is refused, not ignored
+    argv = ["--task", "lra-text", "--data", folder, "--init", "scratch", "--train-file", train_file]
+    code, _, err = run_main(argv + ["--out", str(tmp_path / "l")], capfd)
+    assert code == 2 and not (tmp_path / "l").exists()
+    only_line(err, "error: --train-file / --dev-file: --task lra-text", "reads the release's own files")
 
 
 def test_a_vocab_size_too_large_for_the_data_names_the_flag(tmp_path, capfd):
