@@ -1116,6 +1116,7 @@ SHORTCUT_PARTS = {
     "p1": (1.0, "first", ["standard", "none", "attendout", "attendout_tuned"], [0, 1, 2]),
     "oracle": (0.9, "first", ["standard", "attendout", "oracle_layer1", "oracle_all"], [0, 1, 2, 3, 4]),
 }
+SHORTCUT_DEFAULT_PARTS = ["main", "sparse", "oracle", "p1"]
 
 
 def shortcut_data(a, ds, p):
@@ -1161,8 +1162,8 @@ def shortcut_record(final, folder):
     half, the reliance (agree - disagree), the cross-entropy at step 20 (how fast the word is taken), and for
     AttendOut what its G-Nets masked (masks_died; the word's masking ratio, shortcut_text_masking)."""
     splits = final["dev_splits"]
-    rec = {"ce_step20": next((r["ce"] for r in read_jsonl(os.path.join(folder, "log.jsonl"))
-                              if r.get("step") == 20 and "ce" in r), None),
+    step20 = next((r for r in read_jsonl(os.path.join(folder, "log.jsonl")) if r.get("step") == 20), {})
+    rec = {"ce_step20": step20.get("ce", step20.get("loss")),          # one view, no masks: the loss is the CE
            "masks_died": final.get("masks_died"), "wall_time_s": final["wall_time_s"]}
     if "dev" in splits:                                  # the clean row
         return {**rec, "whole": 100 * splits["dev"]["acc"], "agree": None, "disagree": None, "reliance": None}
@@ -1246,7 +1247,8 @@ def shortcut_text(a):
             for layer in range(len(m["word_ratio"][0])):
                 ratio = " / ".join(f"{x[layer]:.2f}" for x in m["word_ratio"])
                 rate = " / ".join(f"{x[layer]:.2f}" for x in m["drop_rate"])
-                lines.append(f"| {part} | {ds} | {name} | {s} | {r['reliance']:.1f} | {r['masks_died']} "
+                died = "none" if r["masks_died"] is None else r["masks_died"]
+                lines.append(f"| {part} | {ds} | {name} | {s} | {r['reliance']:.1f} | {died} "
                              f"| {layer + 1} | {ratio} | {rate} |")
     note = (f"Fine-tuned from {a.init} at the pretrained grids' flags (lr 1e-4, 3 epochs, batch 32) on the "
             f"lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} for label 0, "
@@ -1255,7 +1257,8 @@ def shortcut_text(a):
             f"seeds, 95% t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: "
             f"{' '.join(PRE_COMMON + a.extra)}")
     raw = {"|".join(key): recs for key, recs in records.items()}
-    write_table(a, "results_shortcut_text", lines, note, raw)
+    parts = "" if a.parts == SHORTCUT_DEFAULT_PARTS else "_" + "_".join(a.parts)   # a partial run: its own table
+    write_table(a, "results_shortcut_text" + parts, lines, note, raw)
 
 
 # -----------------------------------------------------------------------------
@@ -1312,7 +1315,7 @@ def main(argv=None):
         fail("--tasks: only for lab")
     if a.parts is not None and a.experiment != "shortcut-text":
         fail("--parts: only for shortcut-text")
-    a.parts = a.parts or ["main", "sparse", "oracle", "p1"]
+    a.parts = a.parts or SHORTCUT_DEFAULT_PARTS
     if a.base is not None and a.experiment != "lab":
         fail("--base: only for lab")
     if a.base is not None:
