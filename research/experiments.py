@@ -13,6 +13,11 @@ The experiments (the ERNIE-Sparse rows: hst, the baseline, then dense, sparse, h
   pretrained-sparse        the same rows fine-tuned from --init on SST-2 and MR, scored under every shift of b = 8
   pretrained-attendout     fine-tuning --init with standard (baseline), none, attendout, scheduled, layerdrop or
                            attn_layerdrop attention dropout; 1,000 training examples (lowres) or all (full)
+  lab                      the generated tasks where one mechanism decides (data.LAB); --variants ROW runs one row,
+                           --base OTHER_LAB pairs it by seed with another lab's runs (base.md)
+  shortcut-text            a word that gives the label away in real text (SST-2, MR): how much each method relies
+                           on it (--parts probe, main, sparse, oracle, p1)
+Every grid runs --jobs runs at a time (default 1), each its own train.py process at --threads threads.
 
 How to run it (from the repository root; add --dry-run to a grid to print its commands and run nothing):
     python research/experiments.py listops --threads 2
@@ -22,6 +27,8 @@ How to run it (from the repository root; add --dry-run to a grid to print its co
     python research/experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA
     python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2 3 4
     python research/experiments.py gnet-lr --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2
+    python research/experiments.py lab --out out/lab --jobs 2
+    python research/experiments.py shortcut-text --init ckpt/minilm.pt --data-root DATA --jobs 2
 ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each with
 train.tsv and dev.tsv as label<TAB>sentence.
 """
