@@ -1201,6 +1201,9 @@ def word_share(train_file, init):
     """sum L / sum L^2 over a training file's sentences, L their tokens (at most --max-len 64) under init's
     tokenizer: the share of all real (query, key) pairs whose key is one given position of each sentence."""
     tok = data.tokenizer_from_path(init)
+    for word in SHORTCUT_WORDS:                          # [CLS] word [SEP]: the word is position 1 alone
+        if len(tok.encode(word)) != 3:
+            fail(f"shortcut-text: {word!r} is not one token of {init}'s vocabulary (choose SHORTCUT_WORDS anew)")
     lengths = [min(64, len(tok.encode(line.split("\t", 1)[1].strip()))) for line in open(train_file)]
     return sum(lengths) / sum(n * n for n in lengths)
 
