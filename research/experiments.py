@@ -1124,6 +1124,22 @@ SHORTCUT_PARTS = {
     "oracle": (0.9, "first", ["standard", "attendout", "oracle_layer1", "oracle_all"], [0, 1, 2, 3, 4]),
 }
 SHORTCUT_DEFAULT_PARTS = ["main", "sparse", "oracle", "p1"]
+# The contrasts that credit an effect to a part (row, the row it is paired with, what it isolates), each within
+# one part and data set where both rows ran
+SHORTCUT_CONTRASTS = [
+    ("scheduled", "none", "masking at AttendOut's rates, random pairs, no consistency (scheduled - none)"),
+    ("attendout", "scheduled", "the G-Nets' choice of pairs and the consistency term (attendout - scheduled)"),
+    ("attendout", "rdrop", "masks against a dropout copy, both with a consistency term (attendout - rdrop)"),
+    ("rdrop", "standard", "a consistency term between two dropout copies (rdrop - standard)"),
+    ("attendout_tuned", "attendout", "the G-Nets at 1e-5, not the backbone's 1e-4 (attendout_tuned - attendout)"),
+    ("oracle_layer1", "attendout", "the word's column masked in layer 1, for the G-Nets' masks (oracle_layer1 - "
+                                   "attendout)"),
+    ("oracle_all", "attendout", "the word's column masked in every layer (oracle_all - attendout)"),
+    ("oracle_all", "standard", "the oracle's masks against standard dropout (oracle_all - standard)"),
+    ("hst+sar", "hst", "SAR's consistency term and shifted view on HST (hst+sar - hst)"),
+    ("hst", "standard", "HST's topology, dense's dropout (hst - standard)"),
+    ("clean", "standard", "the word's cost: no word, in training or on dev (clean - standard)"),
+]
 
 
 def shortcut_data(a, ds, p):
@@ -1211,7 +1227,7 @@ def word_share(train_file, init):
 def shortcut_text(a):
     """The parts (--parts) of SHORTCUT_PARTS: each row's dev accuracy, halves and reliance, paired by seed with
     standard dropout; what the AttendOut rows' G-Nets masked; the word's loss at step 20."""
-    records = collections.defaultdict(list)              # (part, ds, row) -> [record per seed]
+    records = collections.defaultdict(dict)              # (part, ds, row) -> {seed: record}
     for part in a.parts:
         p, which, rows, seeds = SHORTCUT_PARTS[part]
         datasets = a.datasets if which == "all" else a.datasets[:1]
@@ -1226,31 +1242,61 @@ def shortcut_text(a):
                     script = "research/oracle_mask.py" if name.startswith("oracle") else "train.py"
                     final = run_train(flags, out, a, script)
                     if final is not None:
-                        records[(part, ds, name)].append(shortcut_record(final, out))
+                        records[(part, ds, name)][s] = shortcut_record(final, out)
                         drop_checkpoints(out)
     if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
+    note = (f"Fine-tuned from {a.init} at the pretrained grids' flags (lr 1e-4, 3 epochs, batch 32) on the "
+            f"lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} for label 0, "
+            f"{SHORTCUT_WORDS[1]!r} for label 1, first in the sentence; dev: a random word, scored in its agreeing "
+            f"and disagreeing halves (shortcut_data, seed {SHORTCUT_SEED}). Paired differences over seeds, 95% "
+            f"t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: {' '.join(PRE_COMMON + a.extra)}")
+    raw = {"|".join(key): by_seed for key, by_seed in records.items()}
+    parts = "" if a.parts == SHORTCUT_DEFAULT_PARTS else "_" + "_".join(a.parts)   # a partial run: its own table
+    write_table(a, "results_shortcut_text" + parts, shortcut_table(records), note, raw)
+
+
+def shortcut_table(records):
+    """The tables of shortcut-text's records ({(part, data set, row): {seed: shortcut_record}}): each row against
+    standard dropout; the contrasts (SHORTCUT_CONTRASTS); what the AttendOut rows' G-Nets masked. Every paired
+    difference pairs runs by seed (paired)."""
     lines = ["| part | p | data | row | dev acc, whole (%) | agreeing half (%) | disagreeing half (%) "
-             "| reliance: agree - disagree (points) | paired diff to standard, 95% CI: reliance | disagreeing half "
-             "| whole | CE at step 20 | time per run (s) |", "|---" * 13 + "|"]
-    show = lambda recs, key: fmt([r[key] / 100 for r in recs]) if recs[0][key] is not None else "-"
-    for (part, ds, name), recs in records.items():
-        base = records.get((part, ds, "standard"))
-        diff = lambda key: (fmt_diff([r[key] / 100 for r in base], [r[key] / 100 for r in recs])
-                            if base and recs[0][key] is not None and base is not recs else "-")
-        if base is recs:
+             "| reliance: agree - disagree (points) | per seed | paired diff to standard, 95% CI: reliance "
+             "| disagreeing half | whole | CE at step 20 | time per run (s) |", "|---" * 14 + "|"]
+    def show(by_seed, key):                              # mean +- std over seeds, "-" for the clean row's halves
+        xs = [r[key] / 100 for r in by_seed.values() if r[key] is not None]
+        return fmt(xs) if xs else "-"
+
+    for (part, ds, name), by_seed in records.items():
+        base = records.get((part, ds, "standard"), {})
+        known = next(iter(by_seed.values()))["reliance"] is not None
+        diff = lambda key: fmt_diff(*paired(base, key, by_seed, key)) if known and base else "-"
+        if name == "standard":
             diff = lambda key: "(baseline)"
-        ce = [r["ce_step20"] for r in recs if r["ce_step20"] is not None]
-        lines.append(f"| {part} | {SHORTCUT_PARTS[part][0]:g} | {ds} | {name} | {show(recs, 'whole')} "
-                     f"| {show(recs, 'agree')} | {show(recs, 'disagree')} | {show(recs, 'reliance')} "
-                     f"| {diff('reliance')} | {diff('disagree')} | {diff('whole')} "
+        per_seed = " / ".join(f"{r['reliance']:.0f}" for r in by_seed.values()) if known else "-"
+        ce = [r["ce_step20"] for r in by_seed.values() if r["ce_step20"] is not None]
+        lines.append(f"| {part} | {SHORTCUT_PARTS[part][0]:g} | {ds} | {name} | {show(by_seed, 'whole')} "
+                     f"| {show(by_seed, 'agree')} | {show(by_seed, 'disagree')} | {show(by_seed, 'reliance')} "
+                     f"| {per_seed} | {diff('reliance')} | {diff('disagree')} | {diff('whole')} "
                      f"| {statistics.mean(ce) if ce else float('nan'):.3f} "
-                     f"| {statistics.mean(r['wall_time_s'] for r in recs):.0f} |")
+                     f"| {statistics.mean(r['wall_time_s'] for r in by_seed.values()):.0f} |")
+    contrasts = []
+    for part, ds in dict.fromkeys((part, ds) for part, ds, _ in records):     # each part and data set once
+        for name, base, what in SHORTCUT_CONTRASTS:
+            if (part, ds, name) not in records or (part, ds, base) not in records:
+                continue
+            mine, theirs = records[(part, ds, name)], records[(part, ds, base)]
+            cells = [fmt_diff(*paired(theirs, key, mine, key)) if next(iter(mine.values()))[key] is not None
+                     else "-" for key in ("reliance", "disagree", "whole")]
+            contrasts.append(f"| {part} | {ds} | {what} | {' | '.join(cells)} |")
+    if contrasts:
+        lines += ["", "| part | data | contrast | reliance: paired diff, 95% CI (points) | disagreeing half | whole |",
+                  "|---" * 6 + "|", *contrasts]
     lines += ["", "| part | data | row | seed | reliance (points) | masks died at step | layer | the word's share of "
               "masked pairs over its share of all pairs, at 10% / 25% / 50% / 100% of training | masking rate, "
               "same points |", "|---" * 9 + "|"]
-    for (part, ds, name), recs in records.items():
-        for s, r in zip(a.seeds or SHORTCUT_PARTS[part][3], recs):
+    for (part, ds, name), by_seed in records.items():
+        for s, r in by_seed.items():
             if "masking" not in r:
                 continue
             m = r["masking"]
@@ -1260,15 +1306,7 @@ def shortcut_text(a):
                 died = "none" if r["masks_died"] is None else r["masks_died"]
                 lines.append(f"| {part} | {ds} | {name} | {s} | {r['reliance']:.1f} | {died} "
                              f"| {layer + 1} | {ratio} | {rate} |")
-    note = (f"Fine-tuned from {a.init} at the pretrained grids' flags (lr 1e-4, 3 epochs, batch 32) on the "
-            f"lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} for label 0, "
-            f"{SHORTCUT_WORDS[1]!r} for label 1, first in the sentence; dev: a random word, scored in its agreeing "
-            f"and disagreeing halves (shortcut_data, seed {SHORTCUT_SEED}). Paired differences to standard over "
-            f"seeds, 95% t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: "
-            f"{' '.join(PRE_COMMON + a.extra)}")
-    raw = {"|".join(key): recs for key, recs in records.items()}
-    parts = "" if a.parts == SHORTCUT_DEFAULT_PARTS else "_" + "_".join(a.parts)   # a partial run: its own table
-    write_table(a, "results_shortcut_text" + parts, lines, note, raw)
+    return lines
 
 
 # -----------------------------------------------------------------------------

@@ -131,3 +131,27 @@ def test_oracle_masks_the_words_column_alone(tmp_path):
         layer1, layer2 = r["masked_by_key"]
         assert layer1[1] == 1.0 and sum(layer1) == 1.0 and not any(layer2)
         assert 0 < r["drop_rate"][0] < 0.2 and r["drop_rate"][1] == 0.0
+
+
+def fake_record(reliance, whole=60.0):
+    """A shortcut_record of a run with the word (reliance in points), or without it (reliance None)."""
+    halves = {} if reliance is None else {"agree": 99.0, "disagree": 99.0 - reliance}
+    return {"whole": whole, "agree": halves.get("agree"), "disagree": halves.get("disagree"), "reliance": reliance,
+            "ce_step20": 0.4, "masks_died": None, "wall_time_s": 10.0}
+
+
+def test_table_pairs_every_difference_by_seed():
+    """Each row against standard, and the contrasts, pair a seed's run with the same seed's, whatever order the
+    records hold them in and whichever seeds only one row ran; the clean row has no halves."""
+    standard = {s: fake_record(70.0 + 10 * s) for s in range(3)}
+    scheduled = {s: fake_record(72.0 + 10 * s) for s in (2, 1, 0, 7)}           # +2 at each seed both ran
+    records = {("main", "sst2", "standard"): standard, ("main", "sst2", "none"): dict(standard),
+               ("main", "sst2", "scheduled"): scheduled,
+               ("main", "sst2", "clean"): {s: fake_record(None, whole=85.0) for s in range(3)}}
+    table = "\n".join(experiments.shortcut_table(records))
+    assert "| main | 0.9 | sst2 | scheduled | " in table and "| +2.0 [+2.0, +2.0] | -2.0 [-2.0, -2.0] |" in table
+    assert "| main | sst2 | masking at AttendOut's rates, random pairs, no consistency (scheduled - none) " \
+           "| +2.0 [+2.0, +2.0] | -2.0 [-2.0, -2.0] | +0.0 [+0.0, +0.0] |" in table
+    assert "| main | 0.9 | sst2 | clean | 85.0 +- 0.0 | - | - | - | - | - | - | - |" in table
+    assert "| main | sst2 | the word's cost: no word, in training or on dev (clean - standard) | - | - " \
+           "| +25.0 [+25.0, +25.0] |" in table
