@@ -226,6 +226,7 @@ def main(argv=None):
             train(r)
             if r.state["step"] == r.total and is_main():  # not after a stop
                 report(r)
+            barrier()                                    # torchrun: the group ends on every rank together
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
