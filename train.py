@@ -179,8 +179,8 @@ def check_args(args):
     # readers take neither flag. Any other file there is refused now, not by the reader's search.
     lra = args.task.startswith("lra-")
     if lra and (args.train_file or args.dev_file):
-        fail(f"--train-file / --dev-file: --task {args.task} reads the release's own files in --data "
-             "(docs/tasks.md)")
+        fail(f"--train-file / --dev-file: --task {args.task} reads the release's own files in "
+             "--data (docs/tasks.md)")
     both_files = args.train_file and args.dev_file and not lra
     if args.data and os.path.isfile(args.data) and args.task != "mlm" and not both_files:
         instead = "" if lra else ", or give --train-file FILE and --dev-file FILE"
@@ -226,7 +226,8 @@ def main(argv=None):
             train(r)
             if r.state["step"] == r.total and is_main():  # not after a stop
                 report(r)
-            barrier()                                    # torchrun: the group ends on every rank together
+            # torchrun: every rank reaches the end before the process group goes
+            barrier()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -493,13 +493,17 @@ def write_subsample(src, n, seed, path):
     with open(src) as f:
         lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
     random.Random(seed).shuffle(lines)
-    text = "".join(lines[:n])
+    write_if_changed(path, "".join(lines[:n]))
+    return path
+
+
+def write_if_changed(path, text):
+    """Write `text` to `path` unless it already holds it; atomic: a stopped grid never leaves half a file."""
     if not (os.path.exists(path) and open(path).read() == text):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             f.write(text)
-        os.replace(path + ".tmp", path)                  # atomic: a stopped grid never leaves half a file
-    return path
+        os.replace(path + ".tmp", path)
 
 
 def setting_flags(a, ds, setting):
@@ -1161,20 +1165,17 @@ def shortcut_data(a, ds, p):
         label, text = line.rstrip("\n").split("\t", 1)
         word = rng.choice(SHORTCUT_WORDS)
         halves["agree" if word == SHORTCUT_WORDS[int(label)] else "disagree"].append(f"{label}\t{word} {text}\n")
-    os.makedirs(folder, exist_ok=True)
     for name, lines in [("train", train), ("dev_agree", halves["agree"]), ("dev_disagree", halves["disagree"])]:
-        with open(os.path.join(folder, name + ".tsv.tmp"), "w") as f:
-            f.writelines(lines)
-        os.replace(os.path.join(folder, name + ".tsv.tmp"), os.path.join(folder, name + ".tsv"))
+        write_if_changed(os.path.join(folder, name + ".tsv"), "".join(lines))
     return folder
 
 
-def shortcut_flags(a, ds, p, name):
-    """train.py's data flags of a row: the clean row the plain lowres files, every other row the word's."""
+def shortcut_flags(a, ds, folder, name):
+    """train.py's data flags of a row: the clean row the plain lowres files, every other row the word's (folder,
+    shortcut_data's)."""
     flags, epochs = setting_flags(a, ds, "lowres")
     if name == "clean":
         return flags + ["--epochs", str(epochs)]
-    folder = shortcut_data(a, ds, p)
     halves = [os.path.join(folder, f"dev_{h}.tsv") for h in ("agree", "disagree")]
     return ["--data", folder, "--train-file", os.path.join(folder, "train.tsv"), "--dev-file", *halves,
             "--epochs", str(epochs)]
@@ -1232,12 +1233,13 @@ def shortcut_text(a):
         p, which, rows, seeds = SHORTCUT_PARTS[part]
         datasets = a.datasets if which == "all" else a.datasets[:1]
         for ds in datasets:
+            folder = shortcut_data(a, ds, p)             # once per data set, not once per run
             for s in a.seeds or seeds:
                 for name in [row for row in chosen(a, SHORTCUT_ROWS) if row in rows]:
                     out = os.path.join(a.out, f"{ds}-p{p:g}-{run_name(name)}-s{s}")
                     ao_out = os.path.join(a.out, f"{ds}-p{p:g}-attendout-s{s}")
                     extra = [x.format(attendout_out=ao_out) for x in SHORTCUT_ROWS[name]]
-                    flags = [*PRE_COMMON, "--init", a.init, *shortcut_flags(a, ds, p, name), *extra, *a.extra,
+                    flags = [*PRE_COMMON, "--init", a.init, *shortcut_flags(a, ds, folder, name), *extra, *a.extra,
                              "--seed", str(s)]
                     script = "research/oracle_mask.py" if name.startswith("oracle") else "train.py"
                     final = run_train(flags, out, a, script)
