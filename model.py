@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -718,7 +719,7 @@ convert = export
 # -----------------------------------------------------------------------------
 # The command line: convert, export, info. A bad file is one `error:` line (exit 2); the output is
 # checked before any work (a folder as the file, one that exists, no folder), so an old one stays.
-def main(argv=None):
+def make_parser():
     what = "HF checkpoints (roberta, xlm-roberta, bert) to attnreg files, and back"
     ap = ArgumentParser(description=what)
     ap.add_argument("cmd", choices=["convert", "export", "info"],
@@ -728,11 +729,19 @@ def main(argv=None):
     ap.add_argument("--hf", action="store_true",
                     help="export: OUT is a folder transformers' from_pretrained loads")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return ap
+
+# The command's flags, checked: info takes no OUT, the others need one; only export has --hf.
+def parse_args(argv):
+    ap = make_parser()
     args = ap.parse_args(argv)
-    # info takes no OUT, the others need one; only export has --hf.
     if (args.out is None) != (args.cmd == "info") or (args.hf and args.cmd != "export"):
         usage = {"info": "CKPT", "convert": "HF_DIR OUT.pt"}.get(args.cmd, "CKPT OUT [--hf]")
         ap.error(f"usage: {args.cmd} " + usage)
+    return args
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     with one_line_errors():
         if args.cmd == "info":
             cfg, state, tok, _ = read_checkpoint(args.src)
