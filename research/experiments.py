@@ -28,9 +28,13 @@ How to run it (from the repository root; add --dry-run to a grid to print its co
     python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2 3 4
     python research/experiments.py gnet-lr --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2
     python research/experiments.py lab --out out/lab --jobs 2
+    python research/experiments.py lab --variants reach-sparse-g0 --extra="--window 2" --out out/mine \
+        --base docs/results/results_lab.json
     python research/experiments.py shortcut-text --init ckpt/minilm.pt --data-root DATA --jobs 2
 ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each with
-train.tsv and dev.tsv as label<TAB>sentence.
+train.tsv and dev.tsv as label<TAB>sentence. More train.py flags for every run go in ONE string, always written
+with "=" (--extra="--window 2 --lr 1e-3"), so that the grid's own flags (--out, --base, --dry-run) may come
+anywhere on the line, before or after it.
 """
 import argparse
 import collections
@@ -40,6 +44,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -52,6 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the re
 sys.path.insert(0, ROOT)
 import data  # noqa: E402
 import sar  # noqa: E402
+import train  # noqa: E402
 from data import ArgumentParser, fail, one_line_errors  # noqa: E402
 from model import build_model, read_checkpoint  # noqa: E402
 
@@ -101,7 +107,7 @@ def run_all(plan, a):
                 if schedule_source(cmd) in pending:      # its source has not finished yet
                     continue
                 waiting.remove((cmd, out))
-                print("$ " + " ".join(cmd), flush=True)
+                print("$ " + shlex.join(cmd), flush=True)
                 log = open(os.path.join(a.out, os.path.basename(out) + ".log"), "w")
                 child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running[child] = (out, log, time.time())
@@ -176,7 +182,7 @@ def chosen(a, rows, baseline=True):
 
 def write_table(a, name, lines, note, raw=None):
     """NAME.md (the table's lines and the note under it) and NAME.json (its raw numbers) in --tables."""
-    text = "\n".join(lines) + "\n\n" + f"Command: `python research/experiments.py {' '.join(a.argv)}`. {note}\n"
+    text = "\n".join(lines) + "\n\n" + f"Command: `python research/experiments.py {shlex.join(a.argv)}`. {note}\n"
     print("\n" + text)
     os.makedirs(a.tables, exist_ok=True)
     with open(os.path.join(a.tables, name + ".md"), "w") as f:
@@ -859,7 +865,7 @@ def lab(a):
         return
     with open(os.path.join(a.out, "lab.json"), "w") as f:
         json.dump({"runs": runs}, f, indent=1)
-    text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {' '.join(a.argv)}` " \
+    text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {shlex.join(a.argv)}` " \
         f"({time.time() - a.t0:.0f}s here at --jobs {a.jobs}, runs already done skipped). Every run: `python train.py` with " \
         f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --views, --ce, --sar, " \
         f"--attn-dropout, --gnet-lr and --max-steps (steps column); lab-boundary adds --eval-shift all; data: " \
@@ -903,13 +909,23 @@ def paired(base, base_key, other, key):
 
 
 def read_lab_runs(path):
-    """The runs of a lab's lab.json: `path` is the lab's --out folder or the file itself."""
+    """The runs of a lab's lab.json: `path` is the lab's --out folder or the file itself. A missing file, one that
+    is not JSON, or JSON without lab.json's runs (a final.json, another table's raw numbers) is one error line."""
     file = os.path.join(path, "lab.json") if os.path.isdir(path) else path
+    expects = "a lab's --out folder, or its lab.json such as docs/results/results_lab.json"
     if not os.path.isfile(file):
-        fail(f"--base {path}: no lab.json there (a lab's --out, or a lab.json such as "
-             "docs/results/results_lab.json)")
-    with open(file) as f:
-        return json.load(f)["runs"]
+        fail(f"--base {path}: no lab.json there (give {expects})")
+    # the runs: a list of records, each with what against_base reads
+    try:
+        with open(file) as f:
+            lab = json.load(f)
+    except ValueError:                                   # not JSON, or not text at all
+        fail(f"--base {path}: not JSON (give {expects})")
+    runs = lab.get("runs") if isinstance(lab, dict) else None
+    fields = {"row", "seed", "dev_acc", "drop"}
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and fields <= set(r) for r in runs):
+        fail(f"--base {path}: not a lab.json (no \"runs\" of a lab's records; give {expects})")
+    return runs
 
 
 def against_base(runs, base_runs, base_name):
@@ -1319,7 +1335,10 @@ EXPERIMENTS = {"listops": listops_grid, "listops-long": listops_grid, "listops-l
                "gnet-lr": gnet_lr, "sar-ce": sar_ce, "shortcut-text": shortcut_text}
 
 
-def main(argv=None):
+def parse_args(argv):
+    """The command line (a list, without the program's name), checked without touching a file: every flag's
+    value, the flags that belong to one experiment, --extra split (shlex) into train.py's flags and parsed by
+    train.py's parser. A printed command parses here without running anything; main adds the file checks."""
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("experiment", choices=list(EXPERIMENTS))
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
@@ -1339,8 +1358,10 @@ def main(argv=None):
                     help="pretrained-*: lowres (1,000 training examples) and / or full")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="only these rows (the first row, the baseline, must be among them); --candidates: sizes")
-    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                    help="more train.py flags for every run (last on the line, so they win: --extra --lr 1e-3)")
+    ap.add_argument("--extra", default="", metavar='"FLAGS"',
+                    help='more train.py flags for every run, ONE string written with "=": --extra="--window 2 '
+                         '--lr 1e-3" (last on each run\'s line, so they win; the grid\'s own flags may come '
+                         'before or after it)')
     ap.add_argument("--dry-run", action="store_true", help="print the commands of unfinished runs, run nothing")
     ap.add_argument("--candidates", action="store_true", help="listops-long: the candidate sizes' learning curves")
     ap.add_argument("--base", default=None,
@@ -1352,8 +1373,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed alone")
     ap.add_argument("--tasks", nargs="+", default=None, help="lab: only these tasks' rows (default: all of data.LAB)")
     ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
+    # --extra takes one string: the old form (train.py's flags after a bare --extra, which took the rest of
+    # the line) is one error line showing the new one
+    at = argv.index("--extra") + 1 if "--extra" in argv else None
+    if at is not None and (at == len(argv) or argv[at].startswith("-") and " " not in argv[at]):
+        fail('--extra takes train.py\'s flags as one string, written with "=": --extra="--window 2"')
     a = ap.parse_args(argv)
-    a.argv = sys.argv[1:] if argv is None else list(argv)       # for the tables' "Command:" line
+    a.argv = list(argv)                                  # for the tables' "Command:" line
     if a.seeds is None and a.experiment not in ("lab", "shortcut-text"):   # these have their own per part
         a.seeds = [0, 1, 2, 3, 4] if a.experiment == "pretrained-attendout" else [0, 1, 2]
     a.out = a.out or os.path.join("out", "listops-long" if a.experiment == "listops-long-probe" else a.experiment)
@@ -1368,24 +1394,46 @@ def main(argv=None):
     a.parts = a.parts or SHORTCUT_DEFAULT_PARTS
     if a.base is not None and a.experiment != "lab":
         fail("--base: only for lab")
-    if a.base is not None:
-        read_lab_runs(a.base)                            # a missing base fails before anything runs
     if a.experiment == "lab":
         unknown = [t for t in a.tasks or [] if t not in data.LAB]
         if unknown:
             fail(f"--tasks {' '.join(unknown)}: not a lab task (known: {', '.join(data.LAB)})")
         a.tasks = a.tasks or (["lab-reach"] if a.quick else list(data.LAB))
-    if a.experiment.startswith("pretrained") or a.experiment in ("gnet-lr", "shortcut-text"):
-        if a.init is None:
-            fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
-        if not os.path.exists(a.init):
-            fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+    needs_init = a.experiment.startswith("pretrained") or a.experiment in ("gnet-lr", "shortcut-text")
+    if needs_init and a.init is None:
+        fail(f"{a.experiment} needs --init PATH (a converted checkpoint: python model.py convert HF_DIR OUT.pt)")
     if a.threads < 1:
         fail(f"--threads {a.threads}: must be >= 1")
     if a.seeds is not None and (not a.seeds or min(a.seeds) < 0 or len(set(a.seeds)) != len(a.seeds)):
         fail(f"--seeds {' '.join(map(str, a.seeds))}: give distinct seeds >= 0")
     if a.jobs < 1:
         fail(f"--jobs {a.jobs}: must be >= 1")
+    # --extra's flags, parsed by train.py's own parser (no defaults: what was given), before any data is made
+    # or any run starts: a flag train.py does not know, a bad value, or a flag the grid sets for each run is
+    # one error line naming --extra
+    try:
+        a.extra = shlex.split(a.extra)
+    except ValueError as e:                              # an unclosed quote
+        fail(f"--extra {a.extra}: {e}")
+    train_ap = train.make_parser(defaults=False)
+    train_ap.error = lambda message: fail(f"--extra: {message} (see python train.py --help)")
+    given, unknown = train_ap.parse_known_args(a.extra)
+    if unknown:
+        fail(f"--extra: unrecognized train.py flag(s) {' '.join(unknown)} (see python train.py --help)")
+    own = [train.flag(name) for name in ("out", "threads", "seed") if name in vars(given)]
+    if own:
+        fail(f"--extra: {' '.join(own)}: set by the grid for each run (give experiments.py's --out, --threads "
+             "or --seeds)")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    # the checks that read files: the checkpoint exists, --base is a lab's (before anything runs)
+    if a.init is not None and not os.path.exists(a.init):
+        fail(f"--init {a.init}: no such checkpoint (python model.py convert HF_DIR OUT.pt)")
+    if a.base is not None:
+        read_lab_runs(a.base)
     a.t0 = time.time()
     a.plan = None
     with one_line_errors():
@@ -1398,7 +1446,7 @@ def main(argv=None):
             EXPERIMENTS[a.experiment](a)
             if a.dry_run:
                 for cmd, _ in a.plan:
-                    print("$ " + " ".join(cmd), flush=True)
+                    print("$ " + shlex.join(cmd), flush=True)
                 return None
             run_all(a.plan, a)
             a.plan = None

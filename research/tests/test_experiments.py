@@ -108,8 +108,8 @@ def test_listops_long_grid_and_probe_end_to_end(tmp_path, capfd):
     data.write_listops(str(out / "listops-long-data"), 48, 12, 2, min_len=20, max_len=60, seed=0, max_depth=3,
                        max_args=4)
     argv = ["listops-long", "--out", str(out), "--seeds", "0", "--tables", str(tables), "--variants", "hst",
-            "dense", "--extra", "--layers", "1", "--hidden", "16", "--heads", "2", "--ffn", "32", "--max-steps", "3",
-            "--batch-size", "8", "--block-size", "8", "--lr", "1e-2"]
+            "dense", "--extra=--layers 1 --hidden 16 --heads 2 --ffn 32 --max-steps 3 --batch-size 8 --block-size 8 "
+            "--lr 1e-2"]
     experiments.main(argv[:1] + ["--dry-run"] + argv[1:])
     dry = commands(capfd)
     assert dry == [str(out / f"listops-long-{v}-s0") for v in ("hst", "dense")]
@@ -160,7 +160,7 @@ def test_candidates_and_variants(tmp_path, capfd):
     experiments.main(["listops-long", "--candidates", "--variants", "4x64", "2x64", "--out", str(out), "--dry-run"])
     assert commands(capfd) == [str(out / f"listops-long-candidate-{n}-s0") for n in ("2x64", "4x64")]
     experiments.main(["listops-long", "--candidates", "--variants", "2x64", "--out", str(out), "--tables", str(tables),
-                      "--extra", "--max-steps", "4", "--eval-every", "2", "--batch-size", "8", "--block-size", "8"])
+                      "--extra=--max-steps 4 --eval-every 2 --batch-size 8 --block-size 8"])
     log = experiments.read_jsonl(str(out / "listops-long-candidate-2x64-s0" / "log.jsonl"))
     table = open(tables / "results_listops_long_candidates.md").read().splitlines()
     assert table[0] == "| step | 2x64 |"
@@ -212,7 +212,7 @@ def tiny_init(tmp_path_factory):
 def run_grid(root, argv, capfd, seeds=("0", "1")):
     experiments.main([*argv, "--init", str(root / "init" / "ckpt_last.pt"), "--data-root", str(root / "data"),
                       "--datasets", "sst2", "--seeds", *seeds, "--tables", str(root / "tables"),
-                      "--extra", "--lr", "1e-2", "--log-every", "1"])   # 6 steps a run: seeds must matter
+                      "--extra=--lr 1e-2 --log-every 1"])   # 6 steps a run: seeds must matter
     return commands(capfd)
 
 

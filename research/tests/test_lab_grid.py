@@ -249,7 +249,7 @@ def test_jobs_give_the_runs_one_at_a_time_gives(tmp_path):
     for jobs in (1, 3):
         out = str(tmp_path / f"jobs{jobs}")
         experiments.main(["lab", "--variants", *rows, "--seeds", "0", "--jobs", str(jobs), "--out", out,
-                          "--extra", "--max-steps", "3"])
+                          "--extra=--max-steps 3"])
         with open(os.path.join(out, "lab.json")) as f:
             labs[jobs] = [{k: v for k, v in r.items() if k != "wall_time_s"} for r in json.load(f)["runs"]]
     assert len(labs[1]) == 3 and labs[1] == labs[3]
