@@ -195,7 +195,7 @@ def test_skips_are_current():
 
 def lab_loop():
     """The loop's command as docs/exercises.md prints it (continuations joined)."""
-    loops = [c[4] for c in COMMANDS if c[0] == "docs/exercises.md" and "--extra=" in " ".join(c[3])
+    loops = [c[4] for c in COMMANDS if c[0] == "docs/exercises.md" and c[2] == "research/experiments.py"
              and "--base" in c[3]]
     assert len(loops) == 1, loops
     return loops[0]
