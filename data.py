@@ -89,7 +89,7 @@ def _json_value(obj, col, where):
     except (KeyError, IndexError, TypeError):
         raise DataError(f"{where}: no column {col!r} (a line is a JSON object or list)") from None
 
-def read_jsonl(path, cols):
+def read_jsonl(path, cols, label_optional=False):
     records = []
     first = None                                    # (line, label) that fixes the label type
     for line, s in enumerate(io.StringIO(read_text(path), newline=None), 1):
@@ -100,7 +100,15 @@ def read_jsonl(path, cols):
             obj = json.loads(s)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+        if label_optional and not records:          # the first line decides: labels or none
+            try:
+                _json_value(obj, cols[2], where)
+            except DataError:
+                cols = [cols[0], cols[1], None]
         got = [None if c is None else _json_value(obj, c, where) for c in cols]
+        if cols[2] is None:
+            records.append((where, *[None if v is None else str(v) for v in got]))
+            continue
         label = got[2]
         shown = json.dumps(label)[:40]
         if type(label) not in JSON_LABEL_TYPES:
@@ -121,8 +129,9 @@ def read_jsonl(path, cols):
 # Any labelled file -> (records, skipped FILE:LINEs). cols: (text, pair or None, label), each a
 # header name or a 0-based index ("3" is 3); a TSV or CSV file has a header row exactly when a
 # column is named. A row with another column count than the first is an error, or skipped (QQP's).
-def read_generic(path, cols, skip_bad_rows=False):
-    if cols[0] is None or cols[2] is None:
+# label_optional (python model.py predict): a file without the label column gives label None.
+def read_generic(path, cols, skip_bad_rows=False, label_optional=False):
+    if cols[0] is None or (cols[2] is None and not label_optional):
         raise DataError(f"{path}: --task tsv needs --text-col and --label-col (header names or "
                         "0-based indices)")
     flags = ("--text-col", "--text-pair-col", "--label-col")
@@ -132,7 +141,7 @@ def read_generic(path, cols, skip_bad_rows=False):
             raise DataError(f"{flag} {col}: a column is a header name or a 0-based index (>= 0)")
     ext = os.path.splitext(path)[1].lower()
     if ext in (".jsonl", ".json"):
-        return read_jsonl(path, cols), []
+        return read_jsonl(path, cols, label_optional), []
     rows = read_rows(path, ",", csv.QUOTE_MINIMAL) if ext == ".csv" else read_rows(path)
     head = None
     if any(isinstance(c, str) for c in cols):       # a column by name: the first row is a header
@@ -140,6 +149,9 @@ def read_generic(path, cols, skip_bad_rows=False):
     if not rows:
         raise DataError(f"{path}:2: no rows after the header")
     ncols = len(head or rows[0][1])
+    if label_optional and cols[2] is not None:      # no such column: no labels
+        missing = cols[2] not in head if isinstance(cols[2], str) else cols[2] >= ncols
+        cols = cols if not missing else [cols[0], cols[1], None]
     ti, pi, li = [_column(head, c, path) if c is not None else None for c in cols]
     for flag, i in zip(flags, (ti, pi, li)):
         if i is not None and i >= ncols:
@@ -154,7 +166,8 @@ def read_generic(path, cols, skip_bad_rows=False):
             raise DataError(f"{path}:{line}: expected {ncols} columns, got {len(row)}")
         else:
             pair = row[pi] if pi is not None else None
-            records.append((f"{path}:{line}", row[ti], pair, row[li].strip()))
+            label = row[li].strip() if li is not None else None
+            records.append((f"{path}:{line}", row[ti], pair, label))
     return records, skipped
 
 def _find_split(folder, stem):                      # DIR/STEM.tsv, else .csv, else .jsonl
@@ -206,6 +219,17 @@ class _Tokenizer:                                   # what every tokenizer share
     def encode(self, text, pair=None):
         return self.encode_plus(text, pair)[0]
 
+    # A text as encode_plus's ids, and the words they make (python model.py look): words[w] the
+    # word's text, word_of[t] the word of token t. Word pieces join back into their word where
+    # the tokenizer keeps that (HF's word ids, SentencePiece's "▁"); here each token is a word.
+    def encode_words(self, text, max_len=None):
+        ids = self.encode_plus(text, max_len=max_len)[0]
+        return ids, [self.token_text(i) for i in ids], list(range(len(ids)))
+
+    def token_text(self, i):                        # a special token by its role: <cls>, <sep>
+        roles = {getattr(self, f"{r}_id"): r for r in SPECIAL_TOKENS}
+        return f"<{roles[i]}>" if i in roles else self.decode([i])
+
 # A checkpoint's tokenizer.json, run by the `tokenizers` library as HuggingFace's fast tokenizer
 # runs it (tests/test_data.py checks three families).
 class HFTokenizer(_Tokenizer):
@@ -218,16 +242,35 @@ class HFTokenizer(_Tokenizer):
         self._set_ids(_special_ids(tok.token_to_id, config))
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
 
-    def encode_plus(self, text, pair=None, max_len=None):
-        if max_len is not None and max_len not in self._cut:
+    def _cut_at(self, max_len):                     # a copy that truncates at max_len
+        if max_len not in self._cut:
             self._cut[max_len] = Tokenizer.from_str(self.tok.to_str())
             self._cut[max_len].enable_truncation(max_len, strategy="longest_first")
-        tok = self.tok if max_len is None else self._cut[max_len]
+        return self._cut[max_len]
+
+    def encode_plus(self, text, pair=None, max_len=None):
+        tok = self.tok if max_len is None else self._cut_at(max_len)
         enc = tok.encode(text, pair)
         return list(enc.ids), list(enc.type_ids)
 
     def decode(self, ids):
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def encode_words(self, text, max_len=None):     # a word: the pieces of one word id
+        enc = (self.tok if max_len is None else self._cut_at(max_len)).encode(text)
+        words = []
+        word_of = []
+        for t, (w, (start, end)) in enumerate(zip(enc.word_ids, enc.offsets)):
+            if w is None:                           # a special token
+                words.append(self.token_text(enc.ids[t]))
+                first = None
+            elif t == 0 or w != enc.word_ids[t - 1]:  # a new word
+                words.append(text[start:end])
+                first = start
+            else:                                   # the word's next piece
+                words[-1] = text[first:end]
+            word_of.append(len(words) - 1)
+        return list(enc.ids), words, word_of
 
 # BERT's WordPiece of a vocab.txt (an HF folder without tokenizer.json), built as HuggingFace builds
 # it: a token's id is its line number; BERT's normalizer and pre-tokenizer; special tokens kept
@@ -282,6 +325,20 @@ class SentencePieceTokenizer(_Tokenizer):
         if pair is not None:
             ids += [self.sep_id] * self.fairseq + b + [self.sep_id]   # fairseq: </s></s> between
         return ids, [0] * len(ids)
+
+    def encode_words(self, text, max_len=None):     # a word starts at a piece with "▁"
+        ids = self.encode_plus(text, max_len=max_len)[0]
+        pieces = self.sp.encode(text, out_type=str)[:len(ids) - 2]
+        words = [self.token_text(self.cls_id)]
+        word_of = [0]
+        for p in pieces:
+            if p.startswith("▁") or len(words) == 1:
+                words.append("")
+            words[-1] += p.replace("▁", " ").strip() if p.startswith("▁") else p
+            word_of.append(len(words) - 1)
+        words.append(self.token_text(self.sep_id))
+        word_of.append(len(words) - 1)
+        return ids, words, word_of
 
     def decode(self, ids):
         specials = (self.cls_id, self.pad_id, self.sep_id, self.mask_id)
@@ -696,6 +753,51 @@ def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=N
     records, _ = read_generic(path, cols, name == "qqp")
     return [t for _, text, pair, _ in records for t in (text, pair) if t]
 
+# A file to predict on (python model.py predict) -> (Examples, [(FILE:LINE, text)], has_labels,
+# n_truncated), in the file's order. It is a file the task reads, in its columns (task: the
+# checkpoint's record, model.checkpoint_task), the label column optional; or plain text (.txt),
+# one example a line, for a task of one text. label_names: the model's classes (None: a
+# regression). A record without a label gets class 0 (has_labels False); a file with some labels
+# and not others is an error.
+PREDICT_COLUMNS = {"listops": ("Source", None, "Target"),
+                   **{name: ("Source", None, "Target") for name in LAB}}
+
+def prediction_examples(path, task, tok, label_names):
+    name = task.get("name")
+    if name in GLUE:
+        cols = GLUE[name]["cols"]
+    elif name == "tsv":
+        cols = (task["text_col"], task["text_pair_col"], task["label_col"])
+    else:
+        cols = PREDICT_COLUMNS.get(name, (None, None, None))
+    plain = os.path.splitext(path)[1].lower() == ".txt"
+    if plain and cols[1] is not None:
+        raise DataError(f"{path}: plain text holds one text a line, and task {name} reads pairs; "
+                        f"give a .tsv, .csv or .jsonl file with its columns {cols[:2]}")
+    if not plain and cols[0] is None:
+        known = f"task {name}'s" if name else "a model without a task (converted)"
+        raise DataError(f"{path}: {known} files are not read here; give plain text (.txt), one "
+                        "example a line")
+    if plain:
+        lines = read_text(path).splitlines()
+        records = [(f"{path}:{n}", t, None, None) for n, t in enumerate(lines, 1) if t.strip()]
+        if not records:
+            raise DataError(f"{path}:1: empty file")
+    else:
+        records, _ = read_generic(path, cols, label_optional=True)
+    unlabelled = [where for where, _, _, label in records if label is None]
+    if unlabelled and len(unlabelled) < len(records):
+        raise DataError(f"{unlabelled[0]}: no label, where other lines have one")
+    index = None if label_names is None else {s: i for i, s in enumerate(label_names)}
+    if unlabelled:
+        records = [(where, text, pair, "0" if index is None else label_names[0])
+                   for where, text, pair, _ in records]
+    stats = {"truncated": 0}
+    examples = _labelled_examples(records, tok, task.get("max_len"), index, stats)
+    texts = [(where, text if pair is None else f"{text} | {pair}")
+             for where, text, pair, _ in records]
+    return examples, texts, not unlabelled, stats["truncated"]
+
 # -----------------------------------------------------------------------------
 # 4. Batches: Examples -> padded tensors (methods.md §4). A batch is padded to its own longest
 # example, and examples of similar length share a batch. The order is a function of (seed, epoch)
@@ -834,6 +936,23 @@ def compute_metrics(task_name, preds, labels):
     if entry.metric == "f1":                        # MRPC, QQP
         return {"f1": f1_binary(preds, labels), "acc": accuracy(preds, labels)}
     return {"acc": accuracy(preds, labels)}
+
+# A metric on the console: "83.4%" for the task's percent metrics (Task.percent), a count as
+# it is, any other number as "0.5120"; after a bar, --eval-shift's mean and worst.
+def show_value(task_name, metric, value):
+    entry = TASKS[task_name]
+    if metric in entry.percent:
+        return f"{value * entry.scale:.1f}%"
+    return f"{value}" if isinstance(value, int) else f"{value:.4f}"
+
+def show_metrics(task_name, metrics):                    # "acc 83.4% | shifted mean ... worst ..."
+    text = ", ".join(f"{m} {show_value(task_name, m, v)}" for m, v in metrics.items()
+                     if m != "shift")
+    if "shift" in metrics:
+        mean = show_metrics(task_name, metrics["shift"]["mean"])
+        worst = show_metrics(task_name, metrics["shift"]["worst"])
+        text += f" | shifted mean {mean} worst {worst}"
+    return text
 
 # -----------------------------------------------------------------------------
 # 6. The ListOps generator (methods.md §4; LRA's lra_benchmarks/data/listops.py). An expression is

@@ -6,8 +6,11 @@ method (attendout.py) plug in; the rest is a plain BERT that gives transformers'
 
 Run:  python model.py convert HF_DIR OUT.pt       # an HF folder -> .pt (OUT kept unless --force)
       python model.py export CKPT OUT.pt [--hf]   # inference weights, no G-Nets; --hf: an HF folder
-      python model.py info CKPT                   # the config and the parameter count
+      python model.py info CKPT                   # the config, the parameter count, the task
+      python model.py predict CKPT FILE [--out OUT.jsonl]   # classify every example of a file
+      python model.py look CKPT "a text" [--png FILE]      # what each layer attends to in it
 Test: python -m pytest -q tests/test_model.py tests/test_export.py tests/test_fidelity.py
+      python -m pytest -q tests/test_use.py
 """
 import json
 import math
@@ -20,11 +23,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save
+from tqdm import tqdm
 
 import data
 from attendout import METHODS, begin_forward, export_without_gnet, make_attn_dropout
 from data import ArgumentParser, one_line_errors
-from sparse import block_sparse_attention, hst_attention, pattern_of
+from sparse import block_sparse_attention, hst_attention, hst_dense_mask, pattern_of
+from sparse import dense_mask as block_dense_mask
 
 # -----------------------------------------------------------------------------
 # Config: every knob, with its default (roberta-base). `python model.py convert` fills the encoder
@@ -552,7 +557,7 @@ def read_checkpoint(path):
         elif "cls.out_proj.weight" in state:
             cfg.num_labels = state["cls.out_proj.weight"].size(0)                 # a classifier
         tokenizer_files = data.files_to_tensors(data.read_tokenizer_folder(path))
-        return cfg, state, tokenizer_files, {}
+        return cfg, state, tokenizer_files, {"task": hf_task(path, cfg)}
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: neither an HF model folder nor a checkpoint file")
     ckpt = safe_load(path)
@@ -565,6 +570,25 @@ def read_checkpoint(path):
     cfg = Config(**{k: v for k, v in ckpt["config"].items() if k in known})
     tokenizer_files = ckpt.get("tokenizer", {}).get("files", {})
     return cfg, ckpt["model"], tokenizer_files, ckpt
+
+# What a prediction needs besides the weights (train.task_record writes it into every checkpoint):
+# the task's name, its label names in class-index order (None: a regression or unknown), the
+# columns it read, --max-len and --batch-size. An HF classifier brings only its id2label.
+def hf_task(path, cfg):
+    config = json.loads(data.read_text(os.path.join(path, "config.json")))
+    id2label = config.get("id2label") or {}
+    labels = [id2label.get(str(i)) for i in range(cfg.num_labels)]
+    known = cfg.head == "cls" and cfg.num_labels > 1 and None not in labels
+    return {"labels": labels if known else None}
+
+# A checkpoint's task (a dict of hf_task's fields); one written before checkpoints kept it has its
+# run's flags, which tell all but the label names.
+def checkpoint_task(raw):
+    if "task" in raw:
+        return dict(raw["task"])
+    args = raw.get("args", {})
+    names = ("text_col", "text_pair_col", "label_col", "max_len", "batch_size")
+    return {"name": args.get("task"), "labels": None, **{n: args.get(n) for n in names}}
 
 # Longer inputs than the checkpoint (methods.md §1): a longer position table made by copying the
 # learned rows again and again (Longformer's recipe). RoBERTa's offset rows stay in place.
@@ -621,13 +645,25 @@ def load_pretrained(path, **overrides):
     return build_model(apply_overrides(cfg, overrides), state, path)
 
 # The one file format: plain tensors and plain values, safe under torch.load(weights_only=True).
-def checkpoint_dict(model, tokenizer_files, **extra):
+# task: checkpoint_task's fields, where known.
+def checkpoint_dict(model, tokenizer_files, task=None, **extra):
+    task = {} if task is None else {"task": task}
     return {"format": "attnreg-v1", "config": asdict(model.cfg), "model": model.state_dict(),
-            "tokenizer": {"files": dict(tokenizer_files)}, **extra}
+            "tokenizer": {"files": dict(tokenizer_files)}, **task, **extra}
+
+# The names of a classifier's classes: the task's, or (a checkpoint from before they were kept)
+# default.format(i) for class i, which one `note:` line says.
+def label_names(task, num_labels, path, default="{}"):
+    if task.get("labels") and len(task["labels"]) == num_labels:
+        return list(task["labels"])
+    example = ", ".join(default.format(i) for i in range(min(num_labels, 2)))
+    print(f"note: {path} holds no label names (saved before checkpoints kept them); the classes "
+          f"are shown by index ({example}, ...)", file=sys.stderr)
+    return [default.format(i) for i in range(num_labels)]
 
 # Write atomically: torch.save (bytes as they are) to a synced temporary file, renamed over `path`
 # once complete. On failure the old file stays, no temporary is left, and one error line says why.
-def save_atomic(obj, path):
+def save_atomic(obj, path, what="the checkpoint"):
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -641,7 +677,7 @@ def save_atomic(obj, path):
     except (OSError, RuntimeError) as e:
         # ENOSPC, a read-only folder; torch's "file write failed".
         why = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        message = f"{path}: could not write the checkpoint ({why}; is the disk full?)"
+        message = f"{path}: could not write {what} ({why}; is the disk full?)"
         raise OSError(message) from None
     finally:
         if os.path.exists(tmp):
@@ -652,7 +688,8 @@ def save_atomic(obj, path):
 # `out` is a from_pretrained folder (HF_TABLE, HF_CONFIG read backwards; src's tokenizer files).
 # No working tokenizer, or no transformers counterpart: refused in one line before any write.
 def export(src, out, hf=False):
-    cfg, state, tok, _ = read_checkpoint(src)
+    cfg, state, tok, raw = read_checkpoint(src)
+    task = checkpoint_task(raw)
     try:
         data.tokenizer_from_files(data.tensors_to_files(tok))
     except data.DataError as e:
@@ -674,7 +711,7 @@ def export(src, out, hf=False):
                 raise CheckpointError(f"{src}: {why}")
     model = build_model(cfg, export_without_gnet(state), src)
     if not hf:
-        save_atomic(checkpoint_dict(model, tok), out)
+        save_atomic(checkpoint_dict(model, tok, task=task), out)
         return model
     # HF_TABLE backwards (W_qkv split into W_q, W_k, W_v); a task model goes without its MLM head.
     rows = [row for row in table(cfg.family, FAMILIES[cfg.family][0] + ".") if row[1]]
@@ -703,7 +740,10 @@ def export(src, out, hf=False):
     config.update(model_type=cfg.family, architectures=[architecture], hidden_act="gelu")
     if kind == "SequenceClassification":
         problem_type = "regression" if cfg.num_labels == 1 else "single_label_classification"
-        config.update(id2label={i: f"LABEL_{i}" for i in range(cfg.num_labels)},
+        names = ["LABEL_0"]                                                      # a regression
+        if cfg.num_labels > 1:
+            names = label_names(task, cfg.num_labels, src, default="LABEL_{}")
+        config.update(id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
                       problem_type=problem_type)
     os.makedirs(out, exist_ok=True)
     files = list(data.tensors_to_files(tok).items())
@@ -717,50 +757,352 @@ def export(src, out, hf=False):
 convert = export
 
 # -----------------------------------------------------------------------------
-# The command line: convert, export, info. A bad file is one `error:` line (exit 2); the output is
-# checked before any work (a folder as the file, one that exists, no folder), so an old one stays.
+# Use a trained model: `predict` scores a file, `look` shows what the model attends to in one text.
+# Both run the model as train.py's evaluation does: eval mode (no dropout, no G-Net), bf16 autocast
+# on CUDA. A checkpoint for use: the Model in eval mode on its device, the tokenizer, its task.
+def load_for_use(path, device):
+    cfg, state, tok_files, raw = read_checkpoint(path)
+    try:
+        tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
+    except data.DataError as e:
+        raise CheckpointError(f"{path}: no usable tokenizer ({e})") from None
+    model = build_model(cfg, state, path).to(device).eval()
+    return model, tok, checkpoint_task(raw)
+
+def pick_device(name):                                   # --device auto: CUDA when there is one
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cpu" and not (name.startswith("cuda") and torch.cuda.is_available()):
+        raise ValueError(f"--device {name}: not available here (auto, cpu, cuda or cuda:N)")
+    return torch.device(name)
+
+# What predict serves: a class or a value per text, from a task data.py reads (GLUE, tsv, listops,
+# the lab), or a converted classifier on plain text. Anything else is one error saying what it is.
+def check_predictable(path, cfg, task):
+    name = task.get("name")
+    why = None
+    if not cfg.num_labels:
+        why = "a masked-LM model: it predicts tokens, not a class or a value"
+    elif cfg.head != "cls":
+        why = {"span": "an extractive QA model: it predicts spans",
+               "pair": "LRA Retrieval's pair model: it reads two documents per example"}[cfg.head]
+    elif name is not None and data.TASKS[name].load is None:
+        why = f"task {name}, whose files readers/ reads (docs/tasks.md)"
+    if why:
+        raise CheckpointError(f"{path}: {why}; predict serves the classification and regression "
+                              "tasks of data.py (GLUE, tsv, listops, lab-*)")
+
+# The logits of examples in their own order, [N, C]: batched as train.evaluate batches a dev set
+# (longest first, batch_size at a time, each padded to its longest), so the same file scores the
+# same; a bar on a long file.
+@torch.no_grad()
+def logits_in_order(model, examples, batch_size, pad_id, device):
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids), reverse=True)
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    found = [None] * len(examples)
+    for batch in tqdm(batches, desc="predict", unit="batch", disable=len(batches) < 20):
+        rows = data.collate([examples[i] for i in batch], pad_id)
+        rows = {k: v.to(device) for k, v in rows.items()}
+        with data.autocast(device):                                               # bf16 on CUDA
+            z = model(rows["input_ids"], rows["attention_mask"], rows["token_type_ids"])
+        for i, zi in zip(batch, z.float().cpu()):
+            found[i] = zi
+    return torch.stack(found)                                                     # [N, C]
+
+# python model.py predict CKPT FILE: one record per example, {"label": NAME, "probs": {NAME: p}}
+# (a classifier, p = softmax of the logits) or {"value": x} (a regression), into OUT (JSON lines,
+# written whole or not at all) or as a table on stdout. A file with labels is also scored as the
+# dev set is, printed as train.py prints it ("acc 87.5%").
+def predict(path, file, out=None, batch_size=None, device="auto"):
+    device = pick_device(device)
+    model, tok, task = load_for_use(path, device)
+    cfg = model.cfg
+    check_predictable(path, cfg, task)
+    task["max_len"] = min(task.get("max_len") or cfg.max_len, cfg.max_len)
+    regression = cfg.num_labels == 1
+    names = None if regression else label_names(task, cfg.num_labels, path)
+    examples, texts, has_labels, cut = data.prediction_examples(file, task, tok, names)
+    if cut:
+        data.warn(f"{cut} examples were longer than the model's {task['max_len']} tokens and "
+                  "were truncated")
+    batch_size = batch_size or task.get("batch_size") or 32
+    logits = logits_in_order(model, examples, batch_size, tok.pad_id, device)    # [N, C]
+    if regression:
+        records = [{"value": float(z)} for z in logits[:, 0]]
+    else:
+        probs = logits.softmax(-1)                                                # [N, C]
+        records = [{"label": names[int(p.argmax())],
+                    "probs": {n: round(float(x), 6) for n, x in zip(names, p)}} for p in probs]
+    if out:
+        lines = "".join(json.dumps(r) + "\n" for r in records)
+        save_atomic(lines.encode(), out, what="the predictions")
+        print(f"wrote {out}: {len(records)} predictions")
+    else:
+        print_predictions(records, texts)
+    if has_labels:
+        preds = logits[:, 0] if regression else logits.argmax(-1)
+        labels = [e.label for e in examples]
+        metrics = data.compute_metrics(task.get("name") or "tsv", preds.numpy(), labels)
+        print(f"{file}: {data.show_metrics(task.get('name') or 'tsv', metrics)}")
+    return records
+
+# The table predict prints without --out: the file's line, the answer (and its probability), the
+# text's start.
+def print_predictions(records, texts):
+    for record, (where, text) in zip(records, texts):
+        line = where.rsplit(":", 1)[-1]
+        if "value" in record:
+            answer = f"{record['value']:.4f}"
+        else:
+            answer = f"{record['label']} {record['probs'][record['label']]:.3f}"
+        shown = text if len(text) <= 70 else text[:67] + "..."
+        print(f"{line:>6}  {answer:<16}  {shown}")
+
+# look (python model.py look CKPT TEXT): what the model attends to in one text, layer by layer.
+# Each layer's input is caught on its way into Attention (stage 1 under HST), and the attention
+# weights are computed again from it, as evaluation computes them, averaged over the H heads:
+#     A = mean_h softmax(Q_h K_h^T / sqrt(d_h) + mask)                     [L, K]
+# mask: -inf where the topology has no pair (sparse.dense_mask, sparse.hst_dense_mask, from the
+# layer's own random draw) or the key is padding, so a key outside the layout has weight 0. Under
+# HST the keys are [X; R]: R_j, block j's representative (methods.md §2.2).
+def layer_inputs(model, ids, types):
+    caught = {}
+
+    def catch(attn, args):                               # the first call of each layer: stage 1
+        caught.setdefault(attn.layer_idx, (args[0], args[1]))
+
+    hooks = [layer.attn.register_forward_pre_hook(catch) for layer in model.layers]
+    try:
+        with torch.no_grad():
+            model.encode(ids, None, types)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [caught[i] for i in range(len(model.layers))]
+
+def layout_mask(model, layer, x, key_mask):              # bool [1, H, L, K]: the pairs allowed
+    cfg = model.cfg
+    B, L, _ = x.shape
+    if cfg.attention == "dense":
+        real = torch.ones(B, L, dtype=torch.bool) if key_mask is None else key_mask
+        return real[:, None, None, :].expand(B, cfg.num_heads, L, L)
+    n = key_mask.size(1)                                 # the tokens, padded to blocks of b
+    dense_mask = hst_dense_mask if cfg.attention == "hst" else block_dense_mask
+    return dense_mask(n, key_mask, generator=layer.attn.eval_generator(x.device),
+                      num_heads=cfg.num_heads, batch_size=B, **pattern_of(cfg))
+
+def attention_weights(model, layer, x, key_mask):        # [H, L, K] of one text, and the mask
+    H = model.cfg.num_heads
+    L = x.size(1)
+    q, k, _ = layer.attn.qkv(x).split(x.size(-1), dim=-1)
+    q = q.view(1, L, H, -1).transpose(1, 2)                                       # [1, H, L, d_h]
+    k = k.view(1, L, H, -1).transpose(1, 2)
+    S = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))                           # [1, H, L, K]
+    allowed = layout_mask(model, layer, x, key_mask)
+    return S.masked_fill(~allowed, -math.inf).softmax(-1)[0], allowed[0]
+
+# AttendOut's masks on the text (methods.md §3.1): M = [a c^T > 0] per pair, the pairs masked
+# being those with M = 0 among the pairs the layer attends. The G-Nets read each layer's input as
+# in training's masked pass, after the earlier layers' masks (read from the clean pass's input, a
+# G-Net masks other pairs): the attention modules run as in training (no dropout under AttendOut,
+# random blocks drawn afresh), everything else as in evaluation.
+def masked_pass_inputs(model, ids, types):
+    caught = {}
+
+    def catch(attn, args):
+        caught.setdefault(attn.layer_idx, args[0])
+
+    hooks = [layer.attn.register_forward_pre_hook(catch) for layer in model.layers]
+    for layer in model.layers:
+        layer.attn.train()                               # the G-Nets' hooks, as in training
+    try:
+        torch.manual_seed(0)                             # the masked pass's random blocks
+        with torch.no_grad():
+            model.encode(ids, None, types, masked=True)
+    finally:
+        model.eval()
+        for hook in hooks:
+            hook.remove()
+    return [caught[i] for i in range(len(model.layers))]
+
+def gnet_masked(layer, x, allowed):                      # bool [L, K]: the pairs its G-Net masks
+    a, c = layer.attn.drop.gnet.features(x)                                       # [1, 1, L, d]
+    G = (a @ c.transpose(-1, -2))[0, 0]                                           # [L, K]
+    return (G <= 0) & allowed.any(0)
+
+# The keys one row attends to most, as "word 0.31" (pieces joined into their word, whose weight is
+# the sum of its pieces'; R_j as <rep j>): the top `top` of a row [K].
+def top_keys(weights, words, word_of, top=3):
+    n_words = len(words)
+    totals = torch.zeros(n_words + weights.numel())
+    for t, w in enumerate(word_of):
+        totals[w] += weights[t]
+    reps = weights[len(word_of):]                        # block padding's columns are 0 anyway
+    names = list(words) + [f"<rep {j}>" for j in range(reps.numel())]
+    totals = torch.cat([totals[:n_words], reps])
+    order = totals.argsort(descending=True)[:top]
+    return [(names[i], float(totals[i])) for i in order if totals[i] > 0]
+
+def look(path, text, png=None):
+    model, tok, task = load_for_use(path, torch.device("cpu"))
+    cfg = model.cfg
+    max_len = min(task.get("max_len") or cfg.max_len, cfg.max_len)
+    ids, words, word_of = tok.encode_words(text, max_len=max_len)
+    L = len(ids)
+    ids = torch.tensor([ids])                                                     # [1, L]
+    types = torch.zeros_like(ids)
+    inputs = layer_inputs(model, ids, types)
+    attendout_on = cfg.attn_dropout == "attendout"
+    masked_inputs = masked_pass_inputs(model, ids, types) if attendout_on else None
+    # the key columns shown: the L tokens, then (HST) the representatives of their blocks
+    cols = list(range(L))
+    if cfg.attention == "hst":
+        n = inputs[0][1].size(1)                                                  # padded tokens
+        cols += list(range(n, n + math.ceil(L / cfg.block_size)))
+    layout = {"dense": "", "sparse": "; a key outside the block-sparse layout has weight 0",
+              "hst": "; a key outside the layout has weight 0; <rep j>: block j's representative"}
+    print(f"{path}, {L} tokens: the keys {words[0]} attends to most in each of the "
+          f"{cfg.num_layers} layers, averaged over {cfg.num_heads} heads ({cfg.attention} attention"
+          f"{layout[cfg.attention]})")
+    if attendout_on:
+        print("the G-Nets' masks: read from each layer's input in training's masked pass (after "
+              "the earlier layers' masks), over the pairs the layer attends")
+    maps = []
+    for i, (layer, (x, key_mask)) in enumerate(zip(model.layers, inputs)):
+        with torch.no_grad():
+            A, allowed = attention_weights(model, layer, x, key_mask)             # [H, L', K]
+        mean = A.mean(0)[:L][:, cols]                                             # [L, keys]
+        shown = ", ".join(f"{name} {w:.2f}" for name, w in top_keys(mean[0], words, word_of))
+        line = f"layer {i + 1}: {shown}"
+        masked = None
+        if attendout_on:
+            with torch.no_grad():
+                masked = gnet_masked(layer, masked_inputs[i], allowed)[:L][:, cols]   # [L, keys]
+            pairs = int(allowed.any(0)[:L][:, cols].sum())
+            count = int(masked.sum())
+            by_key = top_keys(masked.sum(0).float(), words, word_of)
+            most = ", ".join(f"{name} {int(c)}" for name, c in by_key) or "none"
+            line += (f" | G-Net masks {count} of {pairs} pairs ({100 * count / pairs:.0f}%), "
+                     f"keys masked most (pairs): {most}")
+        print(line)
+        maps.append((mean, masked))
+    if png:
+        labels = [tok.token_text(int(t)).strip() for t in ids[0]]
+        labels += [f"<rep {j}>" for j in range(len(cols) - L)]
+        draw_maps(maps, labels, png, f"{os.path.basename(path)}: {text}")
+        print(f"wrote {png}")
+
+# The layers' maps A [L, keys] as one PNG (pillow): a panel per layer, rows the queries, columns the
+# keys, darker for more weight (scaled by the row's largest weight); AttendOut's masked pairs as
+# red dots.
+def draw_maps(maps, labels, path, title, cell=14):
+    from PIL import Image, ImageDraw                     # pillow: required (requirements.txt)
+    L, K = maps[0][0].shape
+    cell = max(4, min(cell, 420 // K))
+    margin = 8 + 6 * min(12, max(len(s) for s in labels))    # the row labels, 6 px a character
+    width = margin + K * cell + 16
+    height = 24 + L * cell + 16
+    per_row = min(3, len(maps))
+    rows = math.ceil(len(maps) / per_row)
+    image = Image.new("RGB", (per_row * width, 20 + rows * height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((8, 4), title[:150], fill="black")
+    for i, (A, masked) in enumerate(maps):
+        left = (i % per_row) * width + margin
+        top = 20 + (i // per_row) * height + 20
+        draw.text((left, top - 16), f"layer {i + 1}", fill="black")
+        shade = A / A.amax(-1, keepdim=True).clamp(min=1e-9)                      # [L, keys]
+        for q in range(L):
+            draw.text((left - margin + 4, top + q * cell), labels[q][:12], fill="black")
+            for k in range(K):
+                level = int(255 * (1 - float(shade[q, k])))
+                box = [left + k * cell, top + q * cell, left + (k + 1) * cell - 1,
+                       top + (q + 1) * cell - 1]
+                draw.rectangle(box, fill=(level, level, 255))
+                if masked is not None and masked[q, k]:
+                    inset = cell // 4
+                    dot = [box[0] + inset, box[1] + inset, box[2] - inset, box[3] - inset]
+                    draw.ellipse(dot, fill="red")
+    image.save(path, format="PNG")
+
+# -----------------------------------------------------------------------------
+# The command line: convert, export, info, predict, look. A bad file is one `error:` line (exit 2);
+# an output is checked before any work (a folder as the file, one that exists, no folder), so an
+# old one stays.
 def make_parser():
-    what = "HF checkpoints (roberta, xlm-roberta, bert) to attnreg files, and back"
+    what = "attnreg checkpoints: from and to transformers, and used (predict, look)"
     ap = ArgumentParser(description=what)
-    ap.add_argument("cmd", choices=["convert", "export", "info"],
-                    help="convert HF OUT, export CKPT OUT, info CKPT")
-    ap.add_argument("src", help="an HF folder or a .pt checkpoint")
-    ap.add_argument("out", nargs="?", help="the file (.pt) or, with --hf, the folder to write")
-    ap.add_argument("--hf", action="store_true",
-                    help="export: OUT is a folder transformers' from_pretrained loads")
-    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    commands = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    c = commands.add_parser("convert", help="an HF folder -> one .pt file")
+    c.add_argument("src", metavar="HF_DIR", help="an HF model folder (roberta, xlm-roberta, bert)")
+    c.add_argument("out", metavar="OUT", help="the .pt file to write")
+    e = commands.add_parser("export", help="a checkpoint's inference weights (no G-Nets)")
+    e.add_argument("src", metavar="CKPT", help="a .pt checkpoint (or an HF folder)")
+    e.add_argument("out", metavar="OUT", help="the .pt file, or with --hf the folder, to write")
+    e.add_argument("--hf", action="store_true",
+                   help="OUT is a folder transformers' from_pretrained loads")
+    i = commands.add_parser("info", help="a checkpoint's config, size and task")
+    i.add_argument("src", metavar="CKPT", help="a .pt checkpoint or an HF folder")
+    p = commands.add_parser("predict", help="classify (or score) every example of a file")
+    p.add_argument("src", metavar="CKPT", help="a checkpoint train.py wrote (or export's .pt)")
+    p.add_argument("file", metavar="FILE",
+                   help="a file the checkpoint's task reads (its columns; labels optional), or "
+                        "plain text (.txt), one example a line")
+    p.add_argument("--out", help="write one JSON line per example here (default: a table)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="examples per batch (default: the run's --batch-size, else 32)")
+    look_ = commands.add_parser("look", help="what the model attends to in one text")
+    look_.add_argument("src", metavar="CKPT", help="a checkpoint train.py wrote, or an HF folder")
+    look_.add_argument("text", metavar="TEXT", help="the text (one example of the task)")
+    look_.add_argument("--png", help="also draw each layer's attention map into this PNG file")
+    for sub in (c, e, p, look_):
+        sub.add_argument("--force", action="store_true", help="replace an output that exists")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     return ap
 
-# The command's flags, checked: info takes no OUT, the others need one; only export has --hf.
+# The command's flags; a number that means nothing is one error line naming its flag.
 def parse_args(argv):
-    ap = make_parser()
-    args = ap.parse_args(argv)
-    if (args.out is None) != (args.cmd == "info") or (args.hf and args.cmd != "export"):
-        usage = {"info": "CKPT", "convert": "HF_DIR OUT.pt"}.get(args.cmd, "CKPT OUT [--hf]")
-        ap.error(f"usage: {args.cmd} " + usage)
+    args = make_parser().parse_args(argv)
+    if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
+        data.fail(f"--batch-size {args.batch_size}: must be >= 1")
     return args
+
+# An output the command may write: not a folder (unless it writes one), not there already (unless
+# --force), in a folder that exists.
+def check_output(out, force, folder=False):
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out) and not folder:
+        data.fail(f"{out}: is a folder; give the file to write (e.g. {out}/x.pt)")
+    if os.path.exists(out) and not force:
+        data.fail(f"{out}: exists; pass --force to replace it")
+    if not os.path.isdir(parent):
+        data.fail(f"{out}: no folder {parent} to write into")
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     with one_line_errors():
         if args.cmd == "info":
-            cfg, state, tok, _ = read_checkpoint(args.src)
+            cfg, state, tok, raw = read_checkpoint(args.src)
             print(json.dumps(asdict(cfg), indent=1))
             millions = sum(t.numel() for t in state.values()) / 1e6
             print(f"{millions:.1f}M parameters, tokenizer {sorted(tok)}")
+            print(f"task: {json.dumps(checkpoint_task(raw))}")
             return
-        out = args.out
-        parent = os.path.dirname(os.path.abspath(out))
-        if os.path.isdir(out) and not args.hf:
-            data.fail(f"{out}: is a folder; give the file to write (e.g. {out}/x.pt)")
-        if os.path.exists(out) and not args.force:
-            data.fail(f"{out}: exists; pass --force to replace it")
-        if not os.path.isdir(parent):
-            data.fail(f"{out}: no folder {parent} to write into")
-        model = export(args.src, out, args.hf)
+        if args.cmd == "predict":
+            if args.out:
+                check_output(args.out, args.force)
+            predict(args.src, args.file, args.out, args.batch_size, args.device)
+            return
+        if args.cmd == "look":
+            if args.png:
+                check_output(args.png, args.force)
+            look(args.src, args.text, args.png)
+            return
+        check_output(args.out, args.force, folder=getattr(args, "hf", False))
+        model = export(args.src, args.out, getattr(args, "hf", False))
         c = model.cfg
-        print(f"wrote {out}: {model.num_params() / 1e6:.1f}M parameters, {c.num_layers} layers, "
-              f"d={c.hidden_size}, max length {c.max_len}, attn_dropout={c.attn_dropout}")
+        print(f"wrote {args.out}: {model.num_params() / 1e6:.1f}M parameters, {c.num_layers} "
+              f"layers, d={c.hidden_size}, max length {c.max_len}, attn_dropout={c.attn_dropout}")
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ its stage 2 in model.Layer.
 
 Run:  python train.py --attention sparse   (or hst)  # model.Attention calls the two entry points
       python -m pytest -q tests/test_sparse.py        # kernels = dense attention under dense_mask
-      python research/patterns.py                     # draws the patterns (docs/results/attention_*.png)
+      python research/patterns.py                     # draws docs/results/attention_*.png
 """
 import math
 from typing import NamedTuple

@@ -107,11 +107,11 @@ def test_console_shows_each_metric_in_its_unit():
     """Fractions in percent (accuracy, F1), SQuAD's percent as it is, the others as numbers; a shifted
     evaluation's mean and worst after a bar."""
     shifted = {"by": {"1": {"acc": 0.8}}, "mean": {"acc": 0.829}, "worst": {"acc": 0.821}}
-    assert train.show_metrics("sst2", {"acc": 0.834, "shift": shifted}) == "acc 83.4% | shifted mean acc 82.9% worst acc 82.1%"
-    assert train.show_metrics("mrpc", {"f1": 0.9, "acc": 0.85}) == "f1 90.0%, acc 85.0%"
-    assert train.show_metrics("cola", {"mcc": 0.512, "acc": 0.8}) == "mcc 0.5120, acc 80.0%"
-    assert train.show_metrics("squad", {"em": 71.25, "f1": 80.5, "questions": 8}) == "em 71.2%, f1 80.5%, questions 8"
-    assert train.show_metrics("mlm", {"loss": 2.34567, "ppl": 10.4}) == "loss 2.3457, ppl 10.4000"
+    assert data.show_metrics("sst2", {"acc": 0.834, "shift": shifted}) == "acc 83.4% | shifted mean acc 82.9% worst acc 82.1%"
+    assert data.show_metrics("mrpc", {"f1": 0.9, "acc": 0.85}) == "f1 90.0%, acc 85.0%"
+    assert data.show_metrics("cola", {"mcc": 0.512, "acc": 0.8}) == "mcc 0.5120, acc 80.0%"
+    assert data.show_metrics("squad", {"em": 71.25, "f1": 80.5, "questions": 8}) == "em 71.2%, f1 80.5%, questions 8"
+    assert data.show_metrics("mlm", {"loss": 2.34567, "ppl": 10.4}) == "loss 2.3457, ppl 10.4000"
 
 
 def test_shifted_evaluation_scores_every_shift():
