@@ -180,9 +180,16 @@ def chosen(a, rows, baseline=True):
     return [name for name in rows if not a.variants or name in a.variants]
 
 
+def command_line(a):
+    """The grid's command as typed, for the tables' "Command:" line: each word shell-quoted, --extra in its
+    documented form (--extra='--window 2')."""
+    return " ".join("--extra=" + shlex.quote(w[len("--extra="):]) if w.startswith("--extra=") else shlex.quote(w)
+                    for w in a.argv)
+
+
 def write_table(a, name, lines, note, raw=None):
     """NAME.md (the table's lines and the note under it) and NAME.json (its raw numbers) in --tables."""
-    text = "\n".join(lines) + "\n\n" + f"Command: `python research/experiments.py {shlex.join(a.argv)}`. {note}\n"
+    text = "\n".join(lines) + "\n\n" + f"Command: `python research/experiments.py {command_line(a)}`. {note}\n"
     print("\n" + text)
     os.makedirs(a.tables, exist_ok=True)
     with open(os.path.join(a.tables, name + ".md"), "w") as f:
@@ -865,7 +872,7 @@ def lab(a):
         return
     with open(os.path.join(a.out, "lab.json"), "w") as f:
         json.dump({"runs": runs}, f, indent=1)
-    text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {shlex.join(a.argv)}` " \
+    text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {command_line(a)}` " \
         f"({time.time() - a.t0:.0f}s here at --jobs {a.jobs}, runs already done skipped). Every run: `python train.py` with " \
         f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --views, --ce, --sar, " \
         f"--attn-dropout, --gnet-lr and --max-steps (steps column); lab-boundary adds --eval-shift all; data: " \
