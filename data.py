@@ -754,11 +754,11 @@ def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=N
     return [t for _, text, pair, _ in records for t in (text, pair) if t]
 
 # A file to predict on (python model.py predict) -> (Examples, [(FILE:LINE, text)], has_labels,
-# n_truncated), in the file's order. It is a file the task reads, in its columns (task: the
-# checkpoint's record, model.checkpoint_task), the label column optional; or plain text (.txt),
-# one example a line, for a task of one text. label_names: the model's classes (None: a
-# regression). A record without a label gets class 0 (has_labels False); a file with some labels
-# and not others is an error.
+# n_truncated), in the file's order. It is a file the task reads (.tsv, .csv, .jsonl), in its
+# columns (task: the checkpoint's record, model.checkpoint_task), the label column optional; or
+# plain text (any other file, a .txt), one example a line, for a task of one text. label_names:
+# the model's classes (None: a regression). A record without a label gets class 0 (has_labels
+# False); a file with some labels and not others is an error.
 PREDICT_COLUMNS = {"listops": ("Source", None, "Target"),
                    **{name: ("Source", None, "Target") for name in LAB}}
 
@@ -770,13 +770,13 @@ def prediction_examples(path, task, tok, label_names):
         cols = (task["text_col"], task["text_pair_col"], task["label_col"])
     else:
         cols = PREDICT_COLUMNS.get(name, (None, None, None))
-    plain = os.path.splitext(path)[1].lower() == ".txt"
+    plain = os.path.splitext(path)[1].lower() not in (".tsv", ".csv", ".jsonl", ".json")
     if plain and cols[1] is not None:
         raise DataError(f"{path}: plain text holds one text a line, and task {name} reads pairs; "
                         f"give a .tsv, .csv or .jsonl file with its columns {cols[:2]}")
     if not plain and cols[0] is None:
         known = f"task {name}'s" if name else "a model without a task (converted)"
-        raise DataError(f"{path}: {known} files are not read here; give plain text (.txt), one "
+        raise DataError(f"{path}: {known} files are not read here; give plain text (a .txt), one "
                         "example a line")
     if plain:
         lines = read_text(path).splitlines()
