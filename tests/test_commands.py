@@ -46,8 +46,7 @@ PLACEHOLDERS = {"S": "0"}
 # flags and tasks that an exercise of docs/exercises.md adds: a command using one runs after the exercise
 EXERCISE_NAMES = {"--gnet-mask": "exercise 4", "lab-order": "exercise 12"}
 # spans that name a subcommand or a grid in prose, without the operands a command needs: the names they use
-MENTIONS = {"python model.py convert / export / info": ["convert", "export", "info"],
-            "python model.py export": ["export"],
+MENTIONS = {"python model.py export": ["export"],
             "python model.py export --hf": ["export"],
             "python research/experiments.py pretrained-attendout": ["pretrained-attendout"]}
 
