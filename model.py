@@ -930,15 +930,16 @@ def gnet_masked(layer, x, allowed):                      # bool [L, K]: the pair
     G = (a @ c.transpose(-1, -2))[0, 0]                                           # [L, K]
     return (G <= 0) & allowed.any(0)
 
-# The keys one row attends to most, as "word 0.31" (pieces joined into their word, whose weight is
-# the sum of its pieces'; R_j as <rep j>): the top `top` of a row [K].
+# The keys one row attends to most, as ("word", 0.31) (pieces joined into their word, whose weight
+# is the sum of its pieces'; a special token as <cls>, R_j as <rep j>): the top `top` of a row [K].
 def top_keys(weights, words, word_of, top=3):
     n_words = len(words)
     totals = torch.zeros(n_words + weights.numel())
     for t, w in enumerate(word_of):
         totals[w] += weights[t]
     reps = weights[len(word_of):]                        # block padding's columns are 0 anyway
-    names = list(words) + [f"<rep {j}>" for j in range(reps.numel())]
+    names = [w if w.startswith("<") and w.endswith(">") else f'"{w}"' for w in words]
+    names += [f"<rep {j}>" for j in range(reps.numel())]
     totals = torch.cat([totals[:n_words], reps])
     order = totals.argsort(descending=True)[:top]
     return [(names[i], float(totals[i])) for i in order if totals[i] > 0]
