@@ -839,11 +839,12 @@ def predict(path, file, out=None, batch_size=None, device="auto"):
         print(f"wrote {out}: {len(records)} predictions")
     else:
         print_predictions(records, texts)
-    if has_labels:
+    if has_labels:                                   # scored as its task (a converted model: tsv)
         preds = logits[:, 0] if regression else logits.argmax(-1)
         labels = [e.label for e in examples]
-        metrics = data.compute_metrics(task.get("name") or "tsv", preds.numpy(), labels)
-        print(f"{file}: {data.show_metrics(task.get('name') or 'tsv', metrics)}")
+        scored_as = task.get("name") or "tsv"
+        metrics = data.compute_metrics(scored_as, preds.numpy(), labels)
+        print(f"{file}: {data.show_metrics(scored_as, metrics)}")
     return records
 
 # The table predict prints without --out: the file's line, the answer (and its probability), the
@@ -880,7 +881,9 @@ def layer_inputs(model, ids, types):
             hook.remove()
     return [caught[i] for i in range(len(model.layers))]
 
-def layout_mask(model, layer, x, key_mask):              # bool [1, H, L, K]: the pairs allowed
+# The pairs a layer may attend, bool [1, H, L, K]: the real keys (dense), or the block-sparse or HST
+# layout written out densely, with the random blocks evaluation draws for this layer.
+def layout_mask(model, layer, x, key_mask):
     cfg = model.cfg
     B, L, _ = x.shape
     if cfg.attention == "dense":
@@ -891,7 +894,9 @@ def layout_mask(model, layer, x, key_mask):              # bool [1, H, L, K]: th
     return dense_mask(n, key_mask, generator=layer.attn.eval_generator(x.device),
                       num_heads=cfg.num_heads, batch_size=B, **pattern_of(cfg))
 
-def attention_weights(model, layer, x, key_mask):        # [H, L, K] of one text, and the mask
+# One text's attention weights in a layer, [H, L, K], from the layer's input x [1, L, d], and the
+# pairs allowed [H, L, K].
+def attention_weights(model, layer, x, key_mask):
     H = model.cfg.num_heads
     L = x.size(1)
     q, k, _ = layer.attn.qkv(x).split(x.size(-1), dim=-1)
@@ -905,7 +910,8 @@ def attention_weights(model, layer, x, key_mask):        # [H, L, K] of one text
 # being those with M = 0 among the pairs the layer attends. The G-Nets read each layer's input as
 # in training's masked pass, after the earlier layers' masks (read from the clean pass's input, a
 # G-Net masks other pairs): the attention modules run as in training (no dropout under AttendOut,
-# random blocks drawn afresh), everything else as in evaluation.
+# random blocks drawn afresh), everything else as in evaluation. The pairs are counted over the
+# layout evaluation attends (with random blocks, the masked pass drew its own).
 def masked_pass_inputs(model, ids, types):
     caught = {}
 
@@ -925,7 +931,8 @@ def masked_pass_inputs(model, ids, types):
             hook.remove()
     return [caught[i] for i in range(len(model.layers))]
 
-def gnet_masked(layer, x, allowed):                      # bool [L, K]: the pairs its G-Net masks
+# The pairs a layer's G-Net masks on its input x [1, L, d], bool [L, K]: M = 0 where allowed.
+def gnet_masked(layer, x, allowed):
     a, c = layer.attn.drop.gnet.features(x)                                       # [1, 1, L, d]
     G = (a @ c.transpose(-1, -2))[0, 0]                                           # [L, K]
     return (G <= 0) & allowed.any(0)
@@ -944,6 +951,8 @@ def top_keys(weights, words, word_of, top=3):
     order = totals.argsort(descending=True)[:top]
     return [(names[i], float(totals[i])) for i in order if totals[i] > 0]
 
+# python model.py look CKPT TEXT: a line per layer, the keys the first token attends to most (and,
+# with AttendOut, the pairs its G-Net masks); --png draws the layers' maps (draw_maps).
 def look(path, text, png=None):
     model, tok, task = load_for_use(path, torch.device("cpu"))
     cfg = model.cfg
@@ -1049,15 +1058,17 @@ def make_parser():
     p.add_argument("file", metavar="FILE",
                    help="a file the checkpoint's task reads (its columns; labels optional), or "
                         "plain text (.txt), one example a line")
-    p.add_argument("--out", help="write one JSON line per example here (default: a table)")
+    p.add_argument("--out", help="write one JSON line per example here, replacing the file if it "
+                                 "exists (default: a table on stdout)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="examples per batch (default: the run's --batch-size, else 32)")
     look_ = commands.add_parser("look", help="what the model attends to in one text")
     look_.add_argument("src", metavar="CKPT", help="a checkpoint train.py wrote, or an HF folder")
     look_.add_argument("text", metavar="TEXT", help="the text (one example of the task)")
-    look_.add_argument("--png", help="also draw each layer's attention map into this PNG file")
-    for sub in (c, e, p, look_):
-        sub.add_argument("--force", action="store_true", help="replace an output that exists")
+    look_.add_argument("--png", help="also draw each layer's attention map into this PNG file "
+                                     "(replaced if it exists)")
+    for sub in (c, e):
+        sub.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     return ap
 
@@ -1069,7 +1080,7 @@ def parse_args(argv):
     return args
 
 # An output the command may write: not a folder (unless it writes one), not there already (unless
-# --force), in a folder that exists.
+# --force: a checkpoint is precious; predictions and figures are replaced), in a folder that exists.
 def check_output(out, force, folder=False):
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out) and not folder:
@@ -1091,12 +1102,12 @@ def main(argv=None):
             return
         if args.cmd == "predict":
             if args.out:
-                check_output(args.out, args.force)
+                check_output(args.out, force=True)
             predict(args.src, args.file, args.out, args.batch_size, args.device)
             return
         if args.cmd == "look":
             if args.png:
-                check_output(args.png, args.force)
+                check_output(args.png, force=True)
             look(args.src, args.text, args.png)
             return
         check_output(args.out, args.force, folder=getattr(args, "hf", False))

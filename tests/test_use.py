@@ -240,3 +240,20 @@ def test_a_short_run_from_epochs_is_warned(runs, tmp_path, capsys):
     assert "--epochs" in warned[0] and "--batch-size" in warned[0]
     train.main([*common, "--max-steps", "6", "--out", str(tmp_path / "b")])
     assert "optimizer steps" not in capsys.readouterr().err
+
+
+def test_predicts_flags_reach_the_run(runs, tmp_path, capsys, monkeypatch):
+    """--batch-size sets the batches (the run's 8 by default); a bad --batch-size or --device is one error line."""
+    (tmp_path / "plain.txt").write_text("\n".join(TEXTS) + "\n")
+    sizes = []
+    collate = data.collate
+    monkeypatch.setattr(data, "collate", lambda examples, *a, **kw: sizes.append(len(examples)) or collate(
+        examples, *a, **kw))
+    for flags, expected in (([], [4]), (["--batch-size", "3"], [3, 1])):
+        sizes.clear()
+        predict_lines(capsys, [runs["dense"] / "ckpt_best.pt", tmp_path / "plain.txt", *flags])
+        assert sizes == expected
+    ckpt = runs["dense"] / "ckpt_best.pt"
+    one_error(capsys, ["predict", ckpt, tmp_path / "plain.txt", "--batch-size", "0"], "--batch-size 0")
+    if not torch.cuda.is_available():
+        one_error(capsys, ["predict", ckpt, tmp_path / "plain.txt", "--device", "cuda"], "--device cuda")
