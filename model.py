@@ -1003,15 +1003,15 @@ def look(path, text, png=None):
         print(f"wrote {png}")
 
 # The layers' maps A [L, keys] as one PNG (pillow): a panel per layer, rows the queries, columns the
-# keys, darker for more weight (scaled by the row's largest weight); AttendOut's masked pairs as
-# red dots.
+# keys (their labels turned upright above), darker for more weight (scaled by the row's largest
+# weight); AttendOut's masked pairs as red dots.
 def draw_maps(maps, labels, path, title, cell=14):
     from PIL import Image, ImageDraw                     # pillow: required (requirements.txt)
     L, K = maps[0][0].shape
-    cell = max(4, min(cell, 420 // K))
-    margin = 8 + 6 * min(12, max(len(s) for s in labels))    # the row labels, 6 px a character
+    cell = max(10, min(cell, 420 // K))
+    margin = 8 + 6 * min(12, max(len(s) for s in labels))    # the labels, 6 px a character
     width = margin + K * cell + 16
-    height = 24 + L * cell + 16
+    height = 20 + margin + L * cell + 8
     per_row = min(3, len(maps))
     rows = math.ceil(len(maps) / per_row)
     image = Image.new("RGB", (per_row * width, 20 + rows * height), "white")
@@ -1019,8 +1019,12 @@ def draw_maps(maps, labels, path, title, cell=14):
     draw.text((8, 4), title[:150], fill="black")
     for i, (A, masked) in enumerate(maps):
         left = (i % per_row) * width + margin
-        top = 20 + (i // per_row) * height + 20
-        draw.text((left, top - 16), f"layer {i + 1}", fill="black")
+        top = 20 + (i // per_row) * height + 20 + margin
+        draw.text((left - margin + 4, top - margin - 16), f"layer {i + 1}", fill="black")
+        for k in range(K):                               # a key's label, written then turned upright
+            text = Image.new("RGB", (margin - 4, cell), "white")
+            ImageDraw.Draw(text).text((0, 0), labels[k][:12], fill="black")
+            image.paste(text.rotate(90, expand=True), (left + k * cell, top - margin + 2))
         shade = A / A.amax(-1, keepdim=True).clamp(min=1e-9)                      # [L, keys]
         for q in range(L):
             draw.text((left - margin + 4, top + q * cell), labels[q][:12], fill="black")
