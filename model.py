@@ -1020,7 +1020,8 @@ def draw_maps(maps, labels, path, title, cell=14):
     for i, (A, masked) in enumerate(maps):
         left = (i % per_row) * width + margin
         top = 20 + (i // per_row) * height + 20 + margin
-        draw.text((left - margin + 4, top - margin - 16), f"layer {i + 1}", fill="black")
+        corner = (left - margin + 4, top - margin - 16)
+        draw.text(corner, f"layer {i + 1}", fill="black")
         for k in range(K):                               # a key's label, written then turned upright
             text = Image.new("RGB", (margin - 4, cell), "white")
             ImageDraw.Draw(text).text((0, 0), labels[k][:12], fill="black")
