@@ -1022,7 +1022,7 @@ def draw_maps(maps, labels, path, title, cell=14):
         top = 20 + (i // per_row) * height + 20 + margin
         corner = (left - margin + 4, top - margin - 16)
         draw.text(corner, f"layer {i + 1}", fill="black")
-        for k in range(K):                               # a key's label, written then turned upright
+        for k in range(K):                               # a key's label, written, turned upright
             text = Image.new("RGB", (margin - 4, cell), "white")
             ImageDraw.Draw(text).text((0, 0), labels[k][:12], fill="black")
             image.paste(text.rotate(90, expand=True), (left + k * cell, top - margin + 2))
