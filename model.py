@@ -1061,8 +1061,8 @@ def make_parser():
     p = commands.add_parser("predict", help="classify (or score) every example of a file")
     p.add_argument("src", metavar="CKPT", help="a checkpoint train.py wrote (or export's .pt)")
     p.add_argument("file", metavar="FILE",
-                   help="a file the checkpoint's task reads (its columns; labels optional), or "
-                        "plain text (.txt), one example a line")
+                   help="a file the checkpoint's task reads (.tsv, .csv, .jsonl in its columns; "
+                        "labels optional), or plain text (any other file), one example a line")
     p.add_argument("--out", help="write one JSON line per example here, replacing the file if it "
                                  "exists (default: a table on stdout)")
     p.add_argument("--batch-size", type=int, default=None,
