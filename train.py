@@ -27,7 +27,7 @@ import data
 import sar
 from data import ArgumentParser, fail, one_line_errors, show_metrics, show_value, warn
 from model import (CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict,
-                   read_checkpoint, save_atomic)
+                   checkpoint_task, read_checkpoint, save_atomic)
 
 # -----------------------------------------------------------------------------------------------
 # 1. Flags. DEMO, the parser's defaults, switches on the three methods that model.Config's plain
@@ -289,6 +289,8 @@ def setup(args):
     # split), the MLM head frozen beside a task head (unused there), torch.compile, and DDP.
     r.raw = make_model(args, r.tok, r.task, start)
     check_run(args, r.task, r.raw.cfg)
+    if start is not None and not args.resume:
+        check_classes(args.init, start.checkpoint, r.task)
     if args.threads or r.device.type == "cpu":
         every_core = len(os.sched_getaffinity(0))
         torch.set_num_threads(args.threads or (1 if r.raw.num_params() < 20e6 else every_core))
@@ -475,6 +477,15 @@ def check_run(args, task, cfg):
         useless.append("ce")
     if useless:
         warn(f"{', '.join(map(flag, useless))}: no effect with this method or task")
+
+# A classifier given as --init keeps its head when the class count matches; where its classes had
+# other names (an HF classifier's id2label, an earlier run's), its class i now stands for the data's
+# label i, which a warning says.
+def check_classes(init, checkpoint, task):
+    before = checkpoint_task(checkpoint).get("labels")
+    if before and len(before) == task.num_labels and before != task.label_names:
+        warn(f"--init {init} classified {before}; its head is kept for this data's "
+             f"{task.label_names}, so its class i now stands for the data's label i")
 
 def opening_line(r):                                     # task | model | methods | steps, device
     args = r.args

@@ -257,3 +257,18 @@ def test_predicts_flags_reach_the_run(runs, tmp_path, capsys, monkeypatch):
     one_error(capsys, ["predict", ckpt, tmp_path / "plain.txt", "--batch-size", "0"], "--batch-size 0")
     if not torch.cuda.is_available():
         one_error(capsys, ["predict", ckpt, tmp_path / "plain.txt", "--device", "cuda"], "--device cuda")
+
+
+def test_a_classifiers_head_kept_for_other_names_is_warned(runs, tmp_path, capsys):
+    """--init a classifier whose classes had other names: one warning names both; the same names: none."""
+    names = {0: "negative", 1: "positive"}
+    folder, _ = hf_folder(tmp_path, "bert", head="SequenceClassification", num_labels=2, id2label=names,
+                          label2id={v: k for k, v in names.items()})
+    common = ["--task", "tsv", "--data", str(runs["data"]), "--text-col", "sentence", "--label-col", "label",
+              "--batch-size", "8", "--max-steps", "2"]
+    capsys.readouterr()
+    train.main(["--init", str(folder), *common, "--out", str(tmp_path / "a")])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "classified" in line]
+    assert len(warned) == 1 and "['negative', 'positive']" in warned[0] and "['neg', 'pos']" in warned[0]
+    train.main(["--init", str(runs["dense"] / "ckpt_best.pt"), *common, "--out", str(tmp_path / "b")])
+    assert "classified" not in capsys.readouterr().err
