@@ -334,7 +334,7 @@ class SentencePieceTokenizer(_Tokenizer):
         for p in pieces:
             if p.startswith("▁") or len(words) == 1:
                 words.append("")
-            words[-1] += p.replace("▁", " ").strip() if p.startswith("▁") else p
+            words[-1] += p.removeprefix("▁")
             word_of.append(len(words) - 1)
         words.append(self.token_text(self.sep_id))
         word_of.append(len(words) - 1)
@@ -638,7 +638,10 @@ def load_tsv(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **
     return TaskData(train, dev, len(labels), False, "acc", labels, n_truncated)
 
 # ListOps: LRA's basic_train.tsv and basic_val.tsv (Source<TAB>Target, as section 6 writes them),
-# ten classes (the digits); ListOps' own tokenizer unless one is given.
+# ten classes (the digits); ListOps' own tokenizer unless one is given. The lab's files (below) have
+# the same two columns: SOURCE_TARGET, (text, pair, label) as read_generic takes them.
+SOURCE_TARGET = ("Source", None, "Target")
+
 def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **columns):
     tok = tok or ListOpsTokenizer()
     stats = {"truncated": 0}
@@ -647,7 +650,7 @@ def load_listops(name, data_dir, tok, *, max_len, train_file=None, dev_file=None
     paths = {"train": train_file or os.path.join(data_dir, "basic_train.tsv"),
              "dev": dev_file or os.path.join(data_dir, "basic_val.tsv")}
     for which, path in paths.items():
-        records, _ = read_generic(path, ("Source", None, "Target"))
+        records, _ = read_generic(path, SOURCE_TARGET)
         split[which] = _labelled_examples(records, tok, max_len, digits, stats)
     return TaskData(split["train"], {"dev": split["dev"]}, 10, False, "acc", list(digits),
                     stats["truncated"])
@@ -684,7 +687,7 @@ def load_lab(name, data_dir, tok, *, max_len, train_file=None, dev_file=None, **
     index = {"0": 0, "1": 1}
     split = {}
     for which, path in paths.items():
-        records, _ = read_generic(path, ("Source", None, "Target"))
+        records, _ = read_generic(path, SOURCE_TARGET)
         split[which] = _labelled_examples(records, tok, max_len, index, stats)
     return TaskData(split["train"], {"dev": split["dev"]}, 2, False, "acc", list(index),
                     stats["truncated"])
@@ -759,8 +762,7 @@ def training_texts(name, data_dir, *, train_file=None, dev_file=None, text_col=N
 # plain text (any other file, a .txt), one example a line, for a task of one text. label_names:
 # the model's classes (None: a regression). A record without a label gets class 0 (has_labels
 # False); a file with some labels and not others is an error.
-PREDICT_COLUMNS = {"listops": ("Source", None, "Target"),
-                   **{name: ("Source", None, "Target") for name in LAB}}
+PREDICT_COLUMNS = {"listops": SOURCE_TARGET, **{name: SOURCE_TARGET for name in LAB}}
 
 def prediction_examples(path, task, tok, label_names):
     name = task.get("name")

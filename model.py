@@ -590,6 +590,13 @@ def checkpoint_task(raw):
     names = ("text_col", "text_pair_col", "label_col", "max_len", "batch_size")
     return {"name": args.get("task"), "labels": None, **{n: args.get(n) for n in names}}
 
+# The tokenizer a checkpoint's files make, or one error naming the checkpoint.
+def checkpoint_tokenizer(path, tokenizer_files):
+    try:
+        return data.tokenizer_from_files(data.tensors_to_files(tokenizer_files))
+    except data.DataError as e:
+        raise CheckpointError(f"{path}: no usable tokenizer ({e})") from None
+
 # Longer inputs than the checkpoint (methods.md §1): a longer position table made by copying the
 # learned rows again and again (Longformer's recipe). RoBERTa's offset rows stay in place.
 def extend_positions(weight, new_rows, cfg):
@@ -690,10 +697,7 @@ def save_atomic(obj, path, what="the checkpoint"):
 def export(src, out, hf=False):
     cfg, state, tok, raw = read_checkpoint(src)
     task = checkpoint_task(raw)
-    try:
-        data.tokenizer_from_files(data.tensors_to_files(tok))
-    except data.DataError as e:
-        raise CheckpointError(f"{src}: no usable tokenizer ({e})") from None
+    checkpoint_tokenizer(src, tok)
     if cfg.attn_dropout == "attendout":
         cfg.attn_dropout = "standard"
     if hf:
@@ -762,10 +766,7 @@ convert = export
 # on CUDA. A checkpoint for use: the Model in eval mode on its device, the tokenizer, its task.
 def load_for_use(path, device):
     cfg, state, tok_files, raw = read_checkpoint(path)
-    try:
-        tok = data.tokenizer_from_files(data.tensors_to_files(tok_files))
-    except data.DataError as e:
-        raise CheckpointError(f"{path}: no usable tokenizer ({e})") from None
+    tok = checkpoint_tokenizer(path, tok_files)
     model = build_model(cfg, state, path).to(device).eval()
     return model, tok, checkpoint_task(raw)
 
@@ -866,17 +867,23 @@ def print_predictions(records, texts):
 # mask: -inf where the topology has no pair (sparse.dense_mask, sparse.hst_dense_mask, from the
 # layer's own random draw) or the key is padding, so a key outside the layout has weight 0. Under
 # HST the keys are [X; R]: R_j, block j's representative (methods.md §2.2).
-def layer_inputs(model, ids, types):
+# masked=True: the input of training's masked pass instead (see gnet_masked), as [(x, key_mask)].
+def layer_inputs(model, ids, types, masked=False):
     caught = {}
 
     def catch(attn, args):                               # the first call of each layer: stage 1
         caught.setdefault(attn.layer_idx, (args[0], args[1]))
 
     hooks = [layer.attn.register_forward_pre_hook(catch) for layer in model.layers]
+    if masked:
+        for layer in model.layers:
+            layer.attn.train()                           # the G-Nets' hooks, as in training
+        torch.manual_seed(0)                             # the masked pass's random blocks
     try:
         with torch.no_grad():
-            model.encode(ids, None, types)
+            model.encode(ids, None, types, masked=masked)
     finally:
+        model.eval()
         for hook in hooks:
             hook.remove()
     return [caught[i] for i in range(len(model.layers))]
@@ -909,28 +916,10 @@ def attention_weights(model, layer, x, key_mask):
 # AttendOut's masks on the text (methods.md §3.1): M = [a c^T > 0] per pair, the pairs masked
 # being those with M = 0 among the pairs the layer attends. The G-Nets read each layer's input as
 # in training's masked pass, after the earlier layers' masks (read from the clean pass's input, a
-# G-Net masks other pairs): the attention modules run as in training (no dropout under AttendOut,
-# random blocks drawn afresh), everything else as in evaluation. The pairs are counted over the
-# layout evaluation attends (with random blocks, the masked pass drew its own).
-def masked_pass_inputs(model, ids, types):
-    caught = {}
-
-    def catch(attn, args):
-        caught.setdefault(attn.layer_idx, args[0])
-
-    hooks = [layer.attn.register_forward_pre_hook(catch) for layer in model.layers]
-    for layer in model.layers:
-        layer.attn.train()                               # the G-Nets' hooks, as in training
-    try:
-        torch.manual_seed(0)                             # the masked pass's random blocks
-        with torch.no_grad():
-            model.encode(ids, None, types, masked=True)
-    finally:
-        model.eval()
-        for hook in hooks:
-            hook.remove()
-    return [caught[i] for i in range(len(model.layers))]
-
+# G-Net masks other pairs): layer_inputs(masked=True) runs the attention modules as in training
+# (no dropout under AttendOut, random blocks drawn afresh), everything else as in evaluation. The
+# pairs are counted over the layout evaluation attends (with random blocks, the masked pass drew
+# its own).
 # The pairs a layer's G-Net masks on its input x [1, L, d], bool [L, K]: M = 0 where allowed.
 def gnet_masked(layer, x, allowed):
     a, c = layer.attn.drop.gnet.features(x)                                       # [1, 1, L, d]
@@ -963,7 +952,7 @@ def look(path, text, png=None):
     types = torch.zeros_like(ids)
     inputs = layer_inputs(model, ids, types)
     attendout_on = cfg.attn_dropout == "attendout"
-    masked_inputs = masked_pass_inputs(model, ids, types) if attendout_on else None
+    masked_inputs = layer_inputs(model, ids, types, masked=True) if attendout_on else None
     # the key columns shown: the L tokens, then (HST) the representatives of their blocks
     cols = list(range(L))
     if cfg.attention == "hst":
@@ -987,7 +976,7 @@ def look(path, text, png=None):
         masked = None
         if attendout_on:
             with torch.no_grad():
-                masked = gnet_masked(layer, masked_inputs[i], allowed)[:L][:, cols]   # [L, keys]
+                masked = gnet_masked(layer, masked_inputs[i][0], allowed)[:L][:, cols]
             pairs = int(allowed.any(0)[:L][:, cols].sum())
             count = int(masked.sum())
             by_key = top_keys(masked.sum(0).float(), words, word_of)

@@ -794,7 +794,7 @@ def reach_bound(task, texts, labels, reach):
 
 def read_lab_dev(folder):
     """(texts, labels) of a lab task's dev.tsv."""
-    records, _ = data.read_generic(os.path.join(folder, "dev.tsv"), ("Source", None, "Target"))
+    records, _ = data.read_generic(os.path.join(folder, "dev.tsv"), data.SOURCE_TARGET)
     return [r[1] for r in records], [int(r[3]) for r in records]
 
 

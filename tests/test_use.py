@@ -208,8 +208,8 @@ def test_look_counts_the_pairs_the_g_nets_mask(runs):
         torch.nn.init.normal_(layer.attn.drop.gnet.weight, std=1.0)
     ids = torch.tensor([tok.encode(TEXTS[0])])
     types = torch.zeros_like(ids)
-    masked_inputs = M.masked_pass_inputs(model, ids, types)
-    for layer, (x, mask), xm in zip(model.layers, M.layer_inputs(model, ids, types), masked_inputs):
+    masked_inputs = M.layer_inputs(model, ids, types, masked=True)
+    for layer, (x, mask), (xm, _) in zip(model.layers, M.layer_inputs(model, ids, types), masked_inputs):
         _, allowed = M.attention_weights(model, layer, x, mask)
         masked = M.gnet_masked(layer, xm, allowed)
         counted = float(layer.attn.drop.pairs - layer.attn.drop.kept)
