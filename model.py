@@ -770,11 +770,17 @@ def load_for_use(path, device):
     model = build_model(cfg, state, path).to(device).eval()
     return model, tok, checkpoint_task(raw)
 
-def pick_device(name):                                   # --device auto: CUDA when there is one
+# --device (train.py, predict, look): auto (CUDA when there is one), cpu, cuda (cuda:0) or cuda:N
+# for a GPU this machine has; anything else is one error naming the flag and the GPUs there are.
+def pick_device(name):
+    gpus = torch.cuda.device_count()
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "cpu" and not (name.startswith("cuda") and torch.cuda.is_available()):
-        raise ValueError(f"--device {name}: not available here (auto, cpu, cuda or cuda:N)")
+        name = "cuda" if gpus else "cpu"
+    kind, _, index = name.partition(":")
+    index = index or "0"                                 # "cuda" is cuda:0
+    if not (name == "cpu" or (kind == "cuda" and index.isdigit() and int(index) < gpus)):
+        raise ValueError(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this "
+                         f"machine has {gpus} GPUs)")
     return torch.device(name)
 
 # What predict serves: a class or a value per text, from a task data.py reads (GLUE, tsv, listops,

@@ -27,7 +27,7 @@ import data
 import sar
 from data import ArgumentParser, fail, one_line_errors, show_metrics, show_value, warn
 from model import (CheckpointError, Config, Model, apply_overrides, build_model, checkpoint_dict,
-                   checkpoint_task, read_checkpoint, save_atomic)
+                   checkpoint_task, pick_device, read_checkpoint, save_atomic)
 
 # -----------------------------------------------------------------------------------------------
 # 1. Flags. DEMO, the parser's defaults, switches on the three methods that model.Config's plain
@@ -915,16 +915,7 @@ def stop_if_not_finite(r, step, loss, norms, lr):
 # the processes: RANK, WORLD_SIZE and LOCAL_RANK in the environment, each process on its own GPU,
 # talking over NCCL (GPUs) or gloo.
 def setup_distributed(args):
-    gpus = torch.cuda.device_count()
-    name = args.device
-    if name == "auto":
-        name = "cuda" if gpus else "cpu"
-    kind, _, index = name.partition(":")
-    index = index or "0"                                 # "cuda" is cuda:0
-    if not (name == "cpu" or (kind == "cuda" and index.isdigit() and int(index) < gpus)):
-        fail(f"--device {name}: not available here (auto, cpu, cuda or cuda:N; this machine has "
-             f"{gpus} GPUs)")
-    device = torch.device(name)
+    device = pick_device(args.device)                    # one error line for a GPU not here
     if "RANK" not in os.environ:                         # not under torchrun
         return 0, 1, device
     if device.type == "cuda":
