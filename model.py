@@ -825,13 +825,13 @@ def predict(path, file, out=None, batch_size=None, device="auto"):
     model, tok, task = load_for_use(path, device)
     cfg = model.cfg
     check_predictable(path, cfg, task)
-    task["max_len"] = min(task.get("max_len") or cfg.max_len, cfg.max_len)
+    task["max_len"] = min(task.get("max_len") or cfg.max_len, cfg.max_len)   # the run's --max-len
     regression = cfg.num_labels == 1
     names = None if regression else label_names(task, cfg.num_labels, path)
     examples, texts, has_labels, cut = data.prediction_examples(file, task, tok, names)
     if cut:
-        data.warn(f"{cut} examples were longer than the model's {task['max_len']} tokens and "
-                  "were truncated")
+        data.warn(f"{cut} examples were longer than {task['max_len']} tokens (the run's --max-len) "
+                  "and were truncated, as its evaluation truncated them")
     batch_size = batch_size or task.get("batch_size") or 32
     logits = logits_in_order(model, examples, batch_size, tok.pad_id, device)    # [N, C]
     if regression:
@@ -854,9 +854,11 @@ def predict(path, file, out=None, batch_size=None, device="auto"):
         print(f"{file}: {data.show_metrics(scored_as, metrics)}")
     return records
 
-# The table predict prints without --out: the file's line, the answer (and its probability), the
-# text's start.
+# The table predict prints without --out, under a header: the file's line, the answer (the label and
+# its probability, or the value), the text's start.
 def print_predictions(records, texts):
+    answer = "value" if records and "value" in records[0] else "label  p"
+    print(f"{'line':>6}  {answer:<16}  text")
     for record, (where, text) in zip(records, texts):
         line = where.rsplit(":", 1)[-1]
         if "value" in record:
@@ -900,7 +902,7 @@ def layout_mask(model, layer, x, key_mask):
     cfg = model.cfg
     B, L, _ = x.shape
     if cfg.attention == "dense":
-        real = torch.ones(B, L, dtype=torch.bool) if key_mask is None else key_mask
+        real = torch.ones(B, L, dtype=torch.bool, device=x.device) if key_mask is None else key_mask
         return real[:, None, None, :].expand(B, cfg.num_heads, L, L)
     n = key_mask.size(1)                                 # the tokens, padded to blocks of b
     dense_mask = hst_dense_mask if cfg.attention == "hst" else block_dense_mask
@@ -933,7 +935,8 @@ def gnet_masked(layer, x, allowed):
     return (G <= 0) & allowed.any(0)
 
 # The keys one row attends to most, as ("word", 0.31) (pieces joined into their word, whose weight
-# is the sum of its pieces'; a special token as <cls>, R_j as <rep j>): the top `top` of a row [K].
+# is the sum of its pieces'; a special token as <cls>, R_j as <rep j>): the top `top` of a row [K]
+# (top=None: every key with a weight).
 def top_keys(weights, words, word_of, top=3):
     n_words = len(words)
     totals = torch.zeros(n_words + weights.numel())
@@ -947,14 +950,17 @@ def top_keys(weights, words, word_of, top=3):
     return [(names[i], float(totals[i])) for i in order if totals[i] > 0]
 
 # python model.py look CKPT TEXT: a line per layer, the keys the first token attends to most (and,
-# with AttendOut, the pairs its G-Net masks); --png draws the layers' maps (draw_maps).
-def look(path, text, png=None):
-    model, tok, task = load_for_use(path, torch.device("cpu"))
+# with AttendOut, the pairs its G-Net masks); --png draws the layers' maps (draw_maps). Returns
+# what it shows, a dict per layer: "keys", every key of the first token's row by top_keys (the
+# line shows the first 3), and with AttendOut "masked" and "pairs", the count and its total.
+def look(path, text, png=None, device="cpu"):
+    device = pick_device(device)
+    model, tok, task = load_for_use(path, device)
     cfg = model.cfg
     max_len = min(task.get("max_len") or cfg.max_len, cfg.max_len)
     ids, words, word_of = tok.encode_words(text, max_len=max_len)
     L = len(ids)
-    ids = torch.tensor([ids])                                                     # [1, L]
+    ids = torch.tensor([ids], device=device)                                      # [1, L]
     types = torch.zeros_like(ids)
     inputs = layer_inputs(model, ids, types)
     attendout_on = cfg.attn_dropout == "attendout"
@@ -973,22 +979,25 @@ def look(path, text, png=None):
         print("the G-Nets' masks: read from each layer's input in training's masked pass (after "
               "the earlier layers' masks), over the pairs the layer attends")
     maps = []
+    shown = []
     for i, (layer, (x, key_mask)) in enumerate(zip(model.layers, inputs)):
         with torch.no_grad():
             A, allowed = attention_weights(model, layer, x, key_mask)             # [H, L', K]
-        mean = A.mean(0)[:L][:, cols]                                             # [L, keys]
-        shown = ", ".join(f"{name} {w:.2f}" for name, w in top_keys(mean[0], words, word_of))
-        line = f"layer {i + 1}: {shown}"
+        mean = A.mean(0)[:L][:, cols].float().cpu()                               # [L, keys]
+        keys = top_keys(mean[0], words, word_of, top=None)                        # row 0: <cls>
+        line = f"layer {i + 1}: " + ", ".join(f"{name} {w:.2f}" for name, w in keys[:3])
         masked = None
+        shown.append({"keys": keys})
         if attendout_on:
             with torch.no_grad():
-                masked = gnet_masked(layer, masked_inputs[i][0], allowed)[:L][:, cols]
+                masked = gnet_masked(layer, masked_inputs[i][0], allowed)[:L][:, cols].cpu()
             pairs = int(allowed.any(0)[:L][:, cols].sum())
             count = int(masked.sum())
             by_key = top_keys(masked.sum(0).float(), words, word_of)
             most = ", ".join(f"{name} {int(c)}" for name, c in by_key) or "none"
             line += (f" | G-Net masks {count} of {pairs} pairs ({100 * count / pairs:.0f}%), "
                      f"keys masked most (pairs): {most}")
+            shown[-1].update(masked=count, pairs=pairs)
         print(line)
         maps.append((mean, masked))
     if png:
@@ -996,34 +1005,57 @@ def look(path, text, png=None):
         labels += [f"<rep {j}>" for j in range(len(cols) - L)]
         draw_maps(maps, labels, png, f"{os.path.basename(path)}: {text}")
         print(f"wrote {png}")
+    return shown
 
 # The layers' maps A [L, keys] as one PNG (pillow): a panel per layer, rows the queries, columns the
 # keys (their labels turned upright above), darker for more weight (scaled by the row's largest
-# weight); AttendOut's masked pairs as red dots.
+# weight); AttendOut's masked pairs as red dots. Under the title, a legend line: the colour scale
+# (0 to the row's largest weight) and, with AttendOut, what a red dot is. The text is pillow's own
+# font at 12 px (at its default 10 px a space is 2 px wide, and a title's words run together).
 def draw_maps(maps, labels, path, title, cell=14):
-    from PIL import Image, ImageDraw                     # pillow: required (requirements.txt)
+    from PIL import Image, ImageDraw, ImageFont         # pillow: required (requirements.txt)
+    try:
+        font = ImageFont.load_default(size=12)
+    except TypeError:                                    # pillow < 10.1: its bitmap font
+        font = ImageFont.load_default()
     L, K = maps[0][0].shape
     cell = max(10, min(cell, 420 // K))
-    margin = 8 + 6 * min(12, max(len(s) for s in labels))    # the labels, 6 px a character
+    margin = 8 + int(max(font.getlength(s[:12]) for s in labels))    # the longest label
     width = margin + K * cell + 16
     height = 20 + margin + L * cell + 8
     per_row = min(3, len(maps))
     rows = math.ceil(len(maps) / per_row)
-    image = Image.new("RGB", (per_row * width, 20 + rows * height), "white")
+    header = 44                                          # the title, then the legend line
+    scale = "1  the weight, as a share of its row's largest"
+    dot = "a pair the layer's G-Net masks (AttendOut)"
+    dots = any(masked is not None for _, masked in maps)
+    dot_left = 140 + int(font.getlength(scale))
+    legend_end = dot_left + 20 + int(font.getlength(dot)) if dots else dot_left
+    image_width = max(per_row * width, 16 + int(font.getlength(title[:150])), legend_end)
+    image = Image.new("RGB", (image_width, header + rows * height), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((8, 4), title[:150], fill="black")
+    draw.text((8, 4), title[:150], fill="black", font=font)
+    # the legend: the colour of a weight as a share of its row's largest, 0 (white) to 1 (blue)
+    draw.text((8, 24), "0", fill="black", font=font)
+    for x in range(100):
+        level = int(255 * (1 - x / 99))
+        draw.line([(20 + x, 24), (20 + x, 36)], fill=(level, level, 255))
+    draw.text((124, 24), scale, fill="black", font=font)
+    if dots:
+        draw.ellipse([dot_left, 26, dot_left + 8, 34], fill="red")
+        draw.text((dot_left + 14, 24), dot, fill="black", font=font)
     for i, (A, masked) in enumerate(maps):
         left = (i % per_row) * width + margin
-        top = 20 + (i // per_row) * height + 20 + margin
+        top = header + (i // per_row) * height + 20 + margin
         corner = (left - margin + 4, top - margin - 16)
-        draw.text(corner, f"layer {i + 1}", fill="black")
+        draw.text(corner, f"layer {i + 1}", fill="black", font=font)
         for k in range(K):                               # a key's label, written, turned upright
             text = Image.new("RGB", (margin - 4, cell), "white")
-            ImageDraw.Draw(text).text((0, 0), labels[k][:12], fill="black")
+            ImageDraw.Draw(text).text((0, 0), labels[k][:12], fill="black", font=font)
             image.paste(text.rotate(90, expand=True), (left + k * cell, top - margin + 2))
         shade = A / A.amax(-1, keepdim=True).clamp(min=1e-9)                      # [L, keys]
         for q in range(L):
-            draw.text((left - margin + 4, top + q * cell), labels[q][:12], fill="black")
+            draw.text((left - margin + 4, top + q * cell), labels[q][:12], fill="black", font=font)
             for k in range(K):
                 level = int(255 * (1 - float(shade[q, k])))
                 box = [left + k * cell, top + q * cell, left + (k + 1) * cell - 1,
@@ -1037,8 +1069,8 @@ def draw_maps(maps, labels, path, title, cell=14):
 
 # -----------------------------------------------------------------------------
 # The command line: convert, export, info, predict, look. A bad file is one `error:` line (exit 2);
-# an output is checked before any work (a folder as the file, one that exists, no folder), so an
-# old one stays.
+# an output is checked before any work (one of the command's inputs, a folder as the file, one that
+# exists, no folder), so an old one stays.
 def make_parser():
     what = "attnreg checkpoints: from and to transformers, and used (predict, look)"
     ap = ArgumentParser(description=what)
@@ -1059,17 +1091,19 @@ def make_parser():
                    help="a file the checkpoint's task reads (.tsv, .csv, .jsonl in its columns; "
                         "labels optional), or plain text (any other file), one example a line")
     p.add_argument("--out", help="write one JSON line per example here, replacing the file if it "
-                                 "exists (default: a table on stdout)")
+                                 "exists, unless it is CKPT or FILE (default: a table on stdout)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="examples per batch (default: the run's --batch-size, else 32)")
     look_ = commands.add_parser("look", help="what the model attends to in one text")
     look_.add_argument("src", metavar="CKPT", help="a checkpoint train.py wrote, or an HF folder")
     look_.add_argument("text", metavar="TEXT", help="the text (one example of the task)")
     look_.add_argument("--png", help="also draw each layer's attention map into this PNG file "
-                                     "(replaced if it exists)")
+                                     "(replaced if it exists, unless it is CKPT)")
     for sub in (c, e):
         sub.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
+    for sub in (p, look_):
+        sub.add_argument("--device", default="auto",
+                         help="auto (CUDA when present), cpu, cuda or cuda:N")
     return ap
 
 # The command's flags; a number that means nothing is one error line naming its flag.
@@ -1078,6 +1112,21 @@ def parse_args(argv):
     if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
         data.fail(f"--batch-size {args.batch_size}: must be >= 1")
     return args
+
+# No command writes over a file it reads: an output that is one of its inputs (compared as files,
+# so ./a and a, or a link and its target, are one), or a file inside an input folder (an HF
+# checkpoint's), is one error naming the flag and the file, before anything is read or written.
+# inputs: (what it is, its path) pairs.
+def check_not_input(out, flag, inputs):
+    if not os.path.exists(out):
+        return                                           # a new file is none of the inputs
+    for what, path in inputs:
+        same = os.path.exists(path) and os.path.samefile(out, path)
+        inside = os.path.isdir(path) and os.path.samefile(os.path.dirname(os.path.realpath(out)),
+                                                          path)
+        if same or inside:
+            data.fail(f"{flag} {out}: is {what} {path}, which this command reads; give another "
+                      "file to write")
 
 # An output the command may write: not a folder (unless it writes one), not there already (unless
 # --force: a checkpoint is precious; predictions and figures are replaced), in a folder that exists.
@@ -1102,14 +1151,18 @@ def main(argv=None):
             return
         if args.cmd == "predict":
             if args.out:
+                inputs = [("the checkpoint", args.src), ("the input file", args.file)]
+                check_not_input(args.out, "--out", inputs)
                 check_output(args.out, force=True)
             predict(args.src, args.file, args.out, args.batch_size, args.device)
             return
         if args.cmd == "look":
             if args.png:
+                check_not_input(args.png, "--png", [("the checkpoint", args.src)])
                 check_output(args.png, force=True)
-            look(args.src, args.text, args.png)
+            look(args.src, args.text, args.png, args.device)
             return
+        check_not_input(args.out, "OUT", [("the checkpoint", args.src)])
         check_output(args.out, args.force, folder=getattr(args, "hf", False))
         model = export(args.src, args.out, getattr(args, "hf", False))
         c = model.cfg

@@ -2,25 +2,40 @@
 `python model.py look` shows what it attends to in one text.
 
 A tiny random BERT (transformers) is converted and fine-tuned through train.py on a TSV whose labels are words
-(neg / pos), dense with AttendOut, block-sparse with random blocks, and HST. Checked:
+(neg / pos), dense with AttendOut, block-sparse with random blocks (on a dev file of long and short lines, at
+--max-len 24 under a position table of 40), and HST. Checked:
 - the checkpoint, final.json and `export --hf` (id2label, label2id) carry the names; convert keeps an HF
   classifier's id2label; a checkpoint from before (no task record) still predicts and exports, by index, with one
   `note:` line;
 - predict's probabilities equal transformers' on the exported folder (1e-4), on plain text and on the dev file;
-  on the dev file with ckpt_best.pt its accuracy is final.json's best, exactly, for every topology;
-- bad input is one `error:` line naming the file and line (wrong column count, unknown label, empty file), or the
-  checkpoint (masked LM), and --out is then not written;
-- look's weights equal transformers' output_attentions (1e-5); under block-sparse and HST attention they are the
-  kernel's (A V through W_o gives the layer's attention output); the pairs it says a G-Net masks are those the
-  G-Net's own counters count in the masked pass; the command prints a line per layer and writes the PNG;
+  on the dev file with ckpt_best.pt its accuracy is final.json's best, exactly, for every topology; its table
+  opens with a header;
+- with random blocks, predict's probabilities are evaluation's own, example by example (train.evaluate's batches
+  caught): it batches as evaluation does (longest first), and cuts at the run's --max-len, not the model's table;
+- bad input is one `error:` line naming the file and line (wrong column count, unknown label, empty file, labels
+  on some lines only), or the checkpoint (masked LM, plain text for a pair task), and --out is then not written;
+- no command writes over a file it reads: predict --out naming its checkpoint or its input, look --png naming
+  the checkpoint, export / convert naming their input (as ./name or through a link too) are one error line each,
+  the file unchanged; --device naming a GPU this machine lacks is one error line (predict, look, train.py);
+- look's weights equal transformers' output_attentions (1e-5); what it shows is the first token's row averaged
+  over the heads, a word of several pieces once with the sum of its pieces' weights (transformers' word ids);
+  under block-sparse and HST attention the weights are the kernel's (A V through W_o gives the layer's attention
+  output); the pairs it says a G-Net masks are those the G-Net's own counters count in the masked pass, dense
+  and block-sparse (where the layout leaves pairs out); the command prints a line per layer and writes the
+  PNG, whose title keeps its spaces, with a colour scale and (AttendOut) what a red dot is;
 - a run whose --epochs make fewer than 50 steps says so in one warning.
 Run: python -m pytest -q tests/test_use.py
 """
+import argparse
 import json
 import os
+import random
+import shutil
 
+import numpy as np
 import pytest
 import torch
+from PIL import ImageDraw, ImageFont
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,23 +53,32 @@ def write_split(path, n, seed, extra_rows=()):
     path.write_text("\n".join([*rows, *extra_rows]) + "\n")
 
 
+def write_long_split(path, n, seed):
+    """As write_split, with lines of 2 to 45 words in no order of length (several of sentences' lines each)."""
+    rng = random.Random(seed)
+    texts = [" ".join(sentences(rng.randint(1, 5), 100 * seed + i)) for i in range(n)]
+    path.write_text("\n".join(["label\tsentence"] + [("pos" if "cat" in s else "neg") + "\t" + s for s in texts]) + "\n")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: run folder} of three fine-tuning runs (dense + AttendOut, sparse with a random block, HST), the
-    converted masked LM and the data folder."""
+    """{name: run folder} of three fine-tuning runs (dense + AttendOut, sparse with a random block at --max-len 24
+    on the long dev file, HST), the converted masked LM and the data folders."""
     tmp = tmp_path_factory.mktemp("use")
     folder, _ = hf_folder(tmp, "bert")
     M.main(["convert", str(folder), str(tmp / "conv.pt")])
-    (tmp / "data").mkdir()
-    write_split(tmp / "data" / "train.tsv", 48, 1)
+    for name in ("data", "long"):
+        (tmp / name).mkdir()
+        write_split(tmp / name / "train.tsv", 48, 1)
     write_split(tmp / "data" / "dev.tsv", 20, 2)
-    common = ["--init", str(tmp / "conv.pt"), "--task", "tsv", "--data", str(tmp / "data"), "--text-col",
-              "sentence", "--label-col", "label", "--lr", "1e-3", "--batch-size", "8", "--max-steps", "12",
-              "--eval-every", "3"]
-    flags = {"dense": ["--attn-dropout", "attendout"],
-             "sparse": ["--attention", "sparse", "--block-size", "4", "--num-random", "1"],
-             "hst": ["--attention", "hst", "--block-size", "4"]}
-    found = {"conv": tmp / "conv.pt", "data": tmp / "data", "tmp": tmp}
+    write_long_split(tmp / "long" / "dev.tsv", 30, 3)
+    common = ["--init", str(tmp / "conv.pt"), "--task", "tsv", "--text-col", "sentence", "--label-col", "label",
+              "--lr", "1e-3", "--batch-size", "8", "--max-steps", "12", "--eval-every", "3"]
+    flags = {"dense": ["--data", str(tmp / "data"), "--attn-dropout", "attendout"],
+             "sparse": ["--data", str(tmp / "long"), "--max-len", "24", "--attention", "sparse", "--block-size",
+                        "4", "--num-random", "1"],
+             "hst": ["--data", str(tmp / "data"), "--attention", "hst", "--block-size", "4"]}
+    found = {"conv": tmp / "conv.pt", "data": tmp / "data", "long": tmp / "long", "hf": folder, "tmp": tmp}
     for name, extra in flags.items():
         train.main([*common, *extra, "--out", str(tmp / name)])
         found[name] = tmp / name
@@ -126,23 +150,27 @@ def test_predict_gives_transformers_probabilities(runs, tmp_path, capsys):
         names = [hf.config.id2label[i] for i in range(2)]
         assert names == ["neg", "pos"] and record["label"] == names[int(probs.argmax())]
         assert max(abs(record["probs"][n] - float(p)) for n, p in zip(names, probs)) < 1e-4
-    # the table on stdout: one row per example, its line, label and probability
-    rows = predict_lines(capsys, [ckpt, tmp_path / "plain.txt"])
-    assert [row.split()[:2] for row in rows] == [[str(i + 1), r["label"]] for i, r in enumerate(records)]
+    # the table on stdout: a header, then one row per example, its line, label and probability
+    header, *rows = predict_lines(capsys, [ckpt, tmp_path / "plain.txt"])
+    assert header.split() == ["line", "label", "p", "text"]
+    assert [row.split()[:3] for row in rows] == [[str(i + 1), r["label"], f"{r['probs'][r['label']]:.3f}"]
+                                                 for i, r in enumerate(records)]
 
 
 @pytest.mark.parametrize("name", ["dense", "sparse", "hst"])
 def test_predict_on_the_dev_file_gives_final_jsons_best(runs, name, capsys):
     final = json.load(open(runs[name] / "final.json"))
-    lines = predict_lines(capsys, [runs[name] / "ckpt_best.pt", runs["data"] / "dev.tsv"])
-    assert len(lines) == 21 and lines[-1] == f"{runs['data'] / 'dev.tsv'}: acc {100 * final['best_dev']:.1f}%"
-    assert len([row for row in lines[:-1] if row.split()[1] in ("neg", "pos")]) == 20
+    dev = runs["long" if name == "sparse" else "data"] / "dev.tsv"
+    n = len(dev.read_text().splitlines()) - 1
+    lines = predict_lines(capsys, [runs[name] / "ckpt_best.pt", dev])
+    assert len(lines) == n + 2 and lines[-1] == f"{dev}: acc {100 * final['best_dev']:.1f}%"
+    assert lines[0].split()[0] == "line" and all(row.split()[1] in ("neg", "pos") for row in lines[1:-1])
 
 
 def test_predict_reads_the_task_file_without_its_labels(runs, tmp_path, capsys):
     (tmp_path / "test.tsv").write_text("index\tsentence\n0\tthe cat sat\n1\thello there\n")   # GLUE's test files
     lines = predict_lines(capsys, [runs["dense"] / "ckpt_best.pt", tmp_path / "test.tsv"])
-    assert len(lines) == 2 and lines[0].split()[0] == "2"                    # no score without labels
+    assert len(lines) == 3 and lines[1].split()[0] == "2"                    # no score without labels
 
 
 def test_bad_input_is_one_error_line_and_no_output(runs, tmp_path, capsys):
