@@ -140,6 +140,11 @@ def stacked_views(model, batch, second=None, masked=False):
         else:
             stacked.append(torch.cat([view[i] for view in views], dim=0))
     ids, mask, pos, types = stacked
+    # Views on the original topology take the model's own positions (the same): the model checks
+    # given positions against its table, a read off the device (Model.encode), which only SAR's
+    # shifted view needs.
+    if second is None or second == 0:
+        pos = None
     z = model(ids, mask, types, pos, views=len(views), masked=masked)    # [views B, ...]
     return list(z.chunk(len(views), dim=0))
 

@@ -517,10 +517,11 @@ def opening_line(r):                                     # task | model | method
 def train(r):
     args = r.args
     state = r.state
-    rates_log = None                                     # AttendOut: OUT/droprates.jsonl
+    r.rates_log = None                                   # AttendOut: OUT/droprates.jsonl
     if r.raw.cfg.attn_dropout == "attendout" and is_main():
-        rates_log = attendout.DropRateLogger(r.paths["droprates.jsonl"], args.log_every,
-                                             append=args.resume)
+        r.rates_log = attendout.DropRateLogger(r.paths["droprates.jsonl"], args.log_every,
+                                               append=args.resume)
+    r.pending = []                                       # the steps not yet read (section 6)
     meter = {"t0": time.time() - state["wall"], "seen": 0, "t_last": time.time()}
     epoch = None                                         # the epoch whose batches are at hand
     with StopFlag() as stop:
@@ -529,20 +530,17 @@ def train(r):
                 epoch = state["epoch"]
                 batches = epoch_batches(r, epoch)
             step = state["step"] + 1                     # the step being taken; logs count from 1
-            numbers, epoch_done = train_step(r, batches, step, meter)
+            numbers, epoch_done = train_step(r, batches, step, meter)   # on the device
             state["step"] = step
-            log_step(r, step, numbers, meter)
-            if rates_log is not None:                    # each layer's masking rate (§3.1)
-                rates_log.log(step, step / r.total, numbers["mask"], numbers["full_rows"],
-                              numbers.get("masked_by_key"), last=step == r.total)
-            if "mask" in numbers:
-                watch_masks(r, step, numbers["mask"])
+            r.pending.append((step, numbers))
             evaluate_now = step % args.eval_every == 0 if args.eval_every else epoch_done
+            save_now = step == r.total or (args.save_every and step % args.save_every == 0)
+            if step % args.log_every == 0 or step == r.total or evaluate_now or save_now:
+                log_pending(r, meter)                    # one read of the steps since the last
             if evaluate_now or step == r.total:
-                if is_main():
-                    evaluate_and_keep_best(r, step)
+                evaluate_and_keep_best(r, step)          # every process: its share (evaluate)
                 barrier()
-            if step == r.total or (args.save_every and step % args.save_every == 0):
+            if save_now:
                 save_last(r, meter)
         if state["step"] < r.total:                      # stopped here, or in another process
             r.stopped_by = stop.signum or signal.SIGTERM  # another process's stop: SIGTERM
@@ -606,7 +604,11 @@ def micro_batches(batch, grad_accum, world):
 # Then each micro-batch's loss (section 5) backward at its share of the batch's examples, so every
 # example weighs the same and the gradients add up to the whole batch's; clipping, a check (a
 # non-finite loss or gradient stops the run: nothing non-finite is saved), AdamW's step. The
-# numbers logged are the micro-batches' means at the same weights, so the step line adds up.
+# numbers logged are the micro-batches' means at the same weights, so the step line adds up. The
+# step returns them as they are, on the device (Step): the check is the one read off the device a
+# step needs, and section 6 reads the rest once per logged line (numbers gives them on the host).
+Step = namedtuple("Step", ["logged", "weights", "lr", "norms"])
+
 def train_step(r, batches, step, meter):
     args = r.args
     state = r.state
@@ -633,18 +635,38 @@ def train_step(r, batches, step, meter):
             loss, parts = r.loss_fn(r.model, batch, args, r.task, r.tok)     # section 5
         (loss * weight).backward()                       # the gradients add up
         weights.append(weight)
-        logged.append({"loss": loss.item(), **parts})    # "loss": the backbone's, where it differs
-    numbers = weighted_mean(logged, weights)
+        logged.append({"loss": loss.detach(), **parts})  # "loss": the backbone's, where it differs
     state["batch"] += 1
     epoch_done = state["batch"] == len(batches)
     if epoch_done:
         state["epoch"] += 1
         state["batch"] = 0
     norms = clip_gradients(r.optimizer, args.clip)       # the norms before clipping
-    stop_if_not_finite(r, step, numbers["loss"], norms, factor * args.lr)
+    losses = [numbers["loss"] for numbers in logged]
+    stop_if_not_finite(r, step, losses, norms, factor * args.lr)
     r.optimizer.step()                                   # AdamW: backbone, heads, G-Nets
     r.optimizer.zero_grad(set_to_none=True)
-    return {**numbers, "lr": factor * args.lr, **norms}, epoch_done
+    return Step(logged, weights, factor * args.lr, norms), epoch_done
+
+# A step's numbers on the host, {name: value}: every tensor of the steps given read off the device
+# at once (read_numbers), the micro-batches' numbers averaged (weighted_mean), lr, the norms.
+def numbers(steps):
+    read_numbers([d for s in steps for d in (*s.logged, s.norms)])
+    return [{**weighted_mean(s.logged, s.weights), "lr": s.lr, **s.norms} for s in steps]
+
+# Each tensor value of these dicts replaced by its value on the host (a 0-dim tensor: a float; a
+# vector: a list; [layers, L]: a list of lists), in ONE copy off the device: float64 holds every
+# float32 exactly, so the numbers are those .item() and .tolist() give.
+def read_numbers(dicts):
+    found = [(d, name) for d in dicts for name, value in d.items() if torch.is_tensor(value)]
+    if not found:
+        return
+    flat = torch.cat([d[name].detach().double().flatten() for d, name in found]).cpu()
+    at = 0
+    for d, name in found:
+        size = d[name].numel()
+        d[name] = flat[at:at + size].view(d[name].shape).tolist()
+        at += size
 
 # The micro-batches' logged numbers {name: value}, each averaged at the micro-batches' weights. A
 # list (one number per layer, or per key position) is averaged entry by entry, a missing entry
@@ -688,29 +710,49 @@ def classify_loss(model, batch, args, task, tok):
         clean = z[:1]
     ce = sum(task_loss(zi, batch["labels"], task.is_regression) for zi in clean) / len(clean)
     loss = ce
-    parts = {"ce": ce.item()} if second is not None or masked else {}
+    parts = {"ce": ce.detach()} if second is not None or masked else {}
     if second is not None:                               # SAR / R-Drop (methods.md §2.3)
         consistency = sar.consistency(z[0], z[1], task.is_regression)
         loss = loss + alpha * consistency
-        parts["consistency"] = consistency.item()
+        parts["consistency"] = consistency.detach()
     if not masked:
-        parts["loss"] = loss.item()
+        parts["loss"] = loss.detach()
         return loss, parts
     # AttendOut (methods.md §3.1): its consistency is the backbone's; the keep reward the G-Nets'
     mask_consistency = sar.consistency(z[0], z[-1], task.is_regression)
     loss = loss + mask_consistency
     kept = attendout.keep_reward(raw, z[0].size(0))
     keep = raw.cfg.gnet_tau ** 2 * kept
-    parts["mask_consistency"] = mask_consistency.item()
-    parts["loss"] = loss.item()
-    parts["kept"] = kept.item()
-    parts["keep"] = keep.item()
-    parts["mask"] = attendout.mask_rates(raw)            # one rate per layer
-    parts["full_rows"] = attendout.full_row_rates(raw)   # rows with every key masked
-    by_key = attendout.masked_by_key(raw)                # where the masks fall (dense only)
-    if by_key is not None:
-        parts["masked_by_key"] = by_key
+    parts["mask_consistency"] = mask_consistency.detach()
+    parts["loss"] = loss.detach()
+    parts["kept"] = kept.detach()
+    parts["keep"] = keep.detach()
+    parts.update(attendout_rates(raw))                   # "mask", "full_rows", "masked_by_key"
     return loss + keep, parts
+
+# AttendOut's numbers of this forward for the log, on the device (section 6 reads them): each
+# layer's share of real pairs masked, 1 - kept / pairs ("mask"), and of real query rows with every
+# key masked ("full_rows"), nan for a layer whose masked pass did not run (LayerDrop); under dense
+# attention each layer's masked pairs by key position ("masked_by_key", [layers, L]). The values
+# of attendout.mask_rates, full_row_rates and masked_by_key, without their read off the device.
+def attendout_rates(raw):
+    layers = attendout.attendout_modules(raw)
+    device = next(raw.parameters()).device
+    nan = torch.full((), math.nan, device=device)
+    mask = []
+    full_rows = []
+    for m in layers:
+        if m.pairs is None:                              # a layer LayerDrop skipped
+            mask.append(nan)
+            full_rows.append(nan)
+            continue
+        mask.append(torch.where(m.pairs > 0, 1 - m.kept.detach() / m.pairs, nan))
+        full_rows.append(torch.where(m.rows > 0, m.full_rows / m.rows, nan))
+    rates = {"mask": torch.stack(mask), "full_rows": torch.stack(full_rows)}   # [layers] each
+    by_key = [m.masked_by_key() for m in layers]
+    if all(share is not None for share in by_key):
+        rates["masked_by_key"] = torch.stack(by_key)    # [layers, L]
+    return rates
 
 def task_loss(logits, labels, regression=False):         # methods.md §1
     if regression:
@@ -740,6 +782,22 @@ def objective(task_name):
 # loss: what the backbone descends, its terms adding up to it; after the bar the G-Nets' part: the
 # keep reward (tau^2 x the (query, key) pairs kept per example, all layers), and each layer's
 # share of the real pairs masked in this step, layer 1 first (log.jsonl: "loss" and "keep").
+#
+# A step leaves its numbers on the device (r.pending). They are read off it together, in one copy,
+# at a logged step (and before an evaluation or a save): a GPU then waits for the host once per
+# --log-every steps, not at every step. Each step read then gets, in step order, its log line,
+# its droprates.jsonl line (attendout.DropRateLogger writes every --log-every steps) and its check
+# of AttendOut's masks (watch_masks, whose warning comes at that read).
+def log_pending(r, meter):
+    for (step, _), values in zip(r.pending, numbers([s for _, s in r.pending])):
+        log_step(r, step, values, meter)
+        if r.rates_log is not None:                      # each layer's masking rate (§3.1)
+            r.rates_log.log(step, step / r.total, values["mask"], values["full_rows"],
+                            values.get("masked_by_key"), last=step == r.total)
+        if "mask" in values:
+            watch_masks(r, step, values["mask"])
+    r.pending = []
+
 def log_step(r, step, numbers, meter):
     if not is_main() or (step % r.args.log_every and step != r.total):
         return
@@ -769,16 +827,20 @@ def log_step(r, step, numbers, meter):
 # The classifier's evaluation, {split: metrics}: one pass over each dev split in eval mode (no
 # dropout, no G-Net), on the original topology or with shift_by padding tokens after the first
 # (sar.shift, methods.md §2.3). Longest first, each batch padded to its own longest: little
-# padding, and a batch too large for the device fails at once.
+# padding, and a batch too large for the device fails at once. Under torchrun each process scores
+# every world-th batch and the predictions are gathered back into batch order (gather_batches):
+# the metrics are a single process's, and no process waits on another's whole evaluation.
 @torch.no_grad()
 def evaluate(raw, task, args, device, tok, shift_by=0):
     raw.eval()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     out = {}
     for split, examples in task.dev.items():
         preds = []
         labels = []
-        for batch in data.make_batches(data.longest_first(examples), args.batch_size,
-                                       pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False):
+        batches = data.make_batches(data.longest_first(examples), args.batch_size,
+                                    pad_id=tok.pad_id, seed=0, epoch=0, shuffle=False)
+        for batch in itertools.islice(batches, rank, None, world):      # this process's share
             batch = as_rows({k: v.to(device) for k, v in batch.items()})
             ids = batch["input_ids"]                     # [rows, L]
             mask = batch["attention_mask"]
@@ -791,14 +853,30 @@ def evaluate(raw, task, args, device, tok, shift_by=0):
                 logits = raw(ids, mask, types, positions).float()        # [B, C]
             preds.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
             labels.append(batch["labels"])
-        preds = torch.cat(preds).cpu().numpy()
-        out[split] = data.compute_metrics(args.task, preds, torch.cat(labels).cpu().numpy())
+        preds = gather_batches(preds, world)
+        out[split] = data.compute_metrics(args.task, preds, gather_batches(labels, world))
     raw.train()
     return out
+
+# Each process's batches of results (process p holds batches p, p + world, ...), as one numpy
+# array in batch order in every process: all_gather_object, then interleaved back.
+def gather_batches(mine, world):
+    sizes = [len(t) for t in mine]
+    mine = torch.cat(mine).cpu().numpy() if mine else np.zeros(0)       # one copy off the device
+    if world == 1:
+        return mine
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (mine, sizes))
+    pieces = [np.split(values, np.cumsum(counts)[:-1]) if counts else []
+              for values, counts in everyone]            # by process, its batches
+    in_order = [piece for row in itertools.zip_longest(*pieces) for piece in row if piece is not None]
+    return np.concatenate(in_order)
 
 # Each evaluation: the dev metrics (--eval-shift: also those under shifted topologies, with their
 # mean and worst, sar.add_shifted) into log.jsonl as {"step": s, "dev": {split: metrics}} and the
 # console. The main metric on the first split picks ckpt_best.pt (the masked LM's loss: lowest).
+# Under torchrun every process evaluates (train.evaluate its share of the batches; the readers'
+# evaluation all of them), so none waits past the collective timeout; rank 0 writes.
 def evaluate_and_keep_best(r, step):
     if not r.task.dev:
         return
@@ -806,6 +884,8 @@ def evaluate_and_keep_best(r, step):
     cfg = r.raw.cfg
     shifts = sar.eval_shifts(r.args.eval_shift, cfg.attention != "dense", cfg.block_size)
     shifted = {s: r.evaluate(r.raw, r.task, r.args, r.device, r.tok, shift_by=s) for s in shifts}
+    if not is_main():                                    # torchrun: rank 0 logs and keeps the best
+        return
     lower_is_better = r.task.metric_name == "loss"
     sar.add_shifted(metrics, shifted, lower_is_better=lower_is_better)
     append_jsonl(r.paths["log.jsonl"], {"step": step, "dev": metrics})
@@ -889,20 +969,28 @@ def make_optimizer(model, args, device):
 def gnet_peak_lr(cfg, args):                     # --gnet-lr (None: --lr's, the author's rule)
     return args.lr if cfg.gnet_lr is None else cfg.gnet_lr
 
-def clip_gradients(optimizer, max_norm):                 # both norms, before clipping
+def clip_gradients(optimizer, max_norm):                 # both norms before clipping (tensors)
     backbone = [p for g in optimizer.param_groups if g["name"] != GNET_GROUP for p in g["params"]]
     gnets = [p for g in optimizer.param_groups if g["name"] == GNET_GROUP for p in g["params"]]
     clip = torch.nn.utils.clip_grad_norm_
-    norms = {"grad_norm": float(clip(backbone, max_norm or math.inf))}
+    norms = {"grad_norm": clip(backbone, max_norm or math.inf)}
     if gnets:
-        norms["gnet_grad_norm"] = float(clip(gnets, math.inf))          # measured, not clipped
+        norms["gnet_grad_norm"] = clip(gnets, math.inf)                 # measured, not clipped
     return norms
 
-# A non-finite loss or gradient stops the run at once, in every process, before AdamW's step.
-def stop_if_not_finite(r, step, loss, norms, lr):
-    what = "gradient" if not all(math.isfinite(n) for n in norms.values()) else ""
-    what = "loss" if not math.isfinite(loss) else what
-    if all_true(not what, r.device, r.world):
+# A non-finite loss (a micro-batch's) or gradient norm stops the run at once, in every process,
+# before AdamW's step: one read off the device of which are finite (under torchrun, in all
+# processes: the minimum over them), the one read a step makes.
+def stop_if_not_finite(r, step, losses, norms, lr):
+    losses = torch.stack(losses).float()
+    finite = torch.stack([torch.isfinite(losses).all(), *map(torch.isfinite, norms.values())])
+    finite = finite.float()                              # [1 + norms]: 1 where finite
+    if r.world > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    loss_ok, *norms_ok = finite.tolist()
+    what = "gradient" if not all(norms_ok) else ""
+    what = "loss" if not loss_ok else what
+    if not what:
         return
     saved = r.state["saved_step"]
     last = f"{r.paths['ckpt_last.pt']} (step {saved})" if saved else "none written yet"
@@ -972,6 +1060,7 @@ def restore(r, ckpt):
 # ckpt_last.pt: every process calls save_last (it gathers their RNG states); rank 0 writes. A
 # checkpoint holds the model, its tokenizer and what resuming needs; it is atomic (save_atomic).
 def save_last(r, meter):
+    log_pending(r, meter)                                # the steps it holds are all read
     r.state["wall"] = time.time() - meter["t0"]
     r.state["saved_step"] = r.state["step"]
     rngs = [rng_state()] * r.world                       # by rank
