@@ -1043,13 +1043,23 @@ def restore(r, ckpt):
     r.state.update(ckpt["train_state"])
     if "micro" in r.state:                               # a checkpoint from before batch plans
         r.state["batch"] = r.state.pop("micro") // r.args.grad_accum
-    if len(ckpt["rng"]) != r.world:
-        warn(f"--resume: the run had {len(ckpt['rng'])} processes, now {r.world}: the RNG "
-             "streams change")
+    # The RNG states: this process's (rank's), its CUDA generators those of the GPUs this machine
+    # has (a checkpoint holds one per GPU the run's machine had). What cannot be restored as it
+    # was, another number of processes or of GPUs, is one warning: the random streams change.
     rng = ckpt["rng"][r.rank % len(ckpt["rng"])]
     torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    gpus = torch.cuda.device_count()
+    for i, state in enumerate(rng["cuda"][:gpus]):
+        torch.cuda.set_rng_state(state, i)
+    changed = []
+    if len(ckpt["rng"]) != r.world:
+        changed.append(f"the run had {len(ckpt['rng'])} processes, now {r.world}")
+    if len(rng["cuda"]) != gpus and (len(rng["cuda"]) > gpus or r.device.type == "cuda"):
+        changed.append(f"the run saved the random state of {len(rng['cuda'])} GPUs, this machine "
+                       f"has {gpus} (restored: {min(len(rng['cuda']), gpus)})")
+    if changed:
+        warn(f"--resume: {'; '.join(changed)}: the random streams (dropout, random blocks) "
+             "change from here")
     for path in (r.paths["log.jsonl"], r.paths["droprates.jsonl"]):
         if is_main() and os.path.exists(path):
             with open(path) as f:
