@@ -186,15 +186,38 @@ def free_port():
         return s.getsockname()[1]
 
 
+# A process that waits longer than the collective timeout aborts the job (NCCL's default: 10 minutes). So every
+# process evaluates its share (train.evaluate) and none waits on another's whole evaluation: rehearsed with a 5 s
+# timeout and each evaluation forward slowed to 3 s, where the 2 dev batches on rank 0 alone would keep rank 1
+# waiting 6 s in the barrier (the job then aborts).
+SLOW_EVAL = """
+import datetime, functools, sys, time
+import torch.distributed as dist
+import model, train
+dist.init_process_group = functools.partial(dist.init_process_group, timeout=datetime.timedelta(seconds=5))
+forward = model.Model.forward
+def slow(self, *a, **kw):
+    if not self.training:
+        time.sleep(3)
+    return forward(self, *a, **kw)
+model.Model.forward = slow
+train.main(sys.argv[1:])
+"""
+
+
 def test_torchrun_two_processes_match_one(tmp_path):
     folder = str(tmp_path / "listops")
     data.write_listops(folder, 64, 16, 4, min_len=5, max_len=30, seed=0, max_depth=3, max_args=3)
-    # no dropout, so both runs compute the same thing; --rdrop takes sar.py's path through the DDP wrapper
+    # no dropout, so both runs compute the same thing; --rdrop takes sar.py's path through the DDP wrapper; 16
+    # dev examples: 2 batches, one per process
     args = ["--task", "listops", "--data", folder, *TINY, "--layers", "1", "--max-steps", "8", "--batch-size", "8",
             "--lr", "1e-3", "--attn-dropout", "none", "--hidden-dropout-p", "0", "--rdrop", "1.0", "--save-every", "4"]
+    script = tmp_path / "slow_eval.py"                 # train.py under a 5 s timeout, evaluation slowed
+    script.write_text(SLOW_EVAL)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "train.py", *args,
-                        "--out", str(tmp_path / "ddp")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
+                        "--out", str(tmp_path / "ddp")], cwd=ROOT, env={**ENV, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "x 2 processes" in p.stdout and "Traceback" not in p.stderr
     code, _, err = run_main(args + ["--out", str(tmp_path / "one")])
@@ -203,3 +226,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     assert len(ckpt["rng"]) == 2                                    # both processes' RNG states
     a, b = ckpt["model"], weights(tmp_path / "one" / "ckpt_last.pt")
     assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=0) for k in a)
+    # the evaluation: each process scored every other batch; gathered, they score as one process
+    finals = [json.load(open(tmp_path / run / "final.json")) for run in ("ddp", "one")]
+    assert finals[0]["dev_splits"] == finals[1]["dev_splits"]
+
