@@ -1,6 +1,6 @@
 """
 attendout.py: the attention-dropout methods of attnreg (methods.md §3): AttendOut, then the
-baselines standard, none and scheduled.
+baselines standard, none, scheduled and DropKey.
 
 The idea (AttendOut, Wu et al. 2021): a small network per layer, the G-Net, reads the layer's input
 and decides which (query, key) pairs of its attention to mask. The model wants the same answer with
@@ -26,6 +26,7 @@ METHODS = {
     "none": "no attention dropout",
     "attendout": "AttendOut (G-Net masks)",
     "scheduled": "scheduled attention dropout ({cfg.schedule})",
+    "dropkey": "DropKey {p:g}",
 }
 
 # GNET: the G-Net's submodule name (export_without_gnet drops every key with this component).
@@ -92,10 +93,10 @@ class KeepMask(torch.autograd.Function):
         return (-grad * s * (1 - s)).to(G.dtype)     # reversed: the G-Net ascends the loss
 
 
-# One layer's AttendOut (methods.md §3.1). The model calls hook(x) only in the masked pass of a
-# training forward (the last of the stacked views); every other forward (the clean pass,
-# evaluation) is the plain model. The hook returns mask_fn, the function a kernel applies to its
-# logits S:
+# One layer's AttendOut (methods.md §3.1). Of the views of a training forward, only the masked
+# one (the last) is given a mask_fn: logits_fn(x, masked=True) calls hook(x); every other view
+# (the clean pass) and evaluation are the plain model. The hook returns mask_fn, the function a
+# kernel applies to its logits S:
 #     S' = S - 10000 (1 - M),   M = KeepMask(G)
 # in the kernel's own layout (the dense [B, H, L, L], or the block-sparse layout of sparse.py),
 # with G computed there by pair_scores(a, c). It also counts, for the keep reward and the step
@@ -127,6 +128,10 @@ class AttendOut(nn.Module):
     # no Bernoulli dropout in either pass (the author's RoBERTa code)
     def rate(self, step_frac=0.0):
         return 0.0
+
+    # the G-Net's mask on the masked view only (the switch's contract, below)
+    def logits_fn(self, x, masked=False):
+        return self.hook(x) if masked else None
 
     def hook(self, x):
         """x [B, L, d]: the layer input of the masked pass. Returns mask_fn(S, valid, pair_scores)
@@ -165,8 +170,11 @@ class AttendOut(nn.Module):
                 self.pairs = self.pairs + pairs
                 self.rows = self.rows + rows
                 self.full_rows = self.full_rows + full_rows
-            # S' = S - 10000 (1 - M): a masked pair leaves the softmax
-            return S + ((M - 1) * MASKED).to(S.dtype)
+            # S' = S - 10000 (1 - M): a masked pair leaves the softmax. In fp32 at least (fp64
+            # stays): in bf16 (8 significant bits) S - 10000 would round every logit of a fully
+            # masked row to one value, making the row uniform instead of leaving it unchanged.
+            S = S.to(torch.promote_types(S.dtype, torch.float32))
+            return S + (M - 1) * MASKED
 
         return mask_fn
 
@@ -298,6 +306,10 @@ class AttnDropout(nn.Module):
     def rate(self, step_frac=0.0):
         return self.p
 
+    # nothing on the logits: dense attention stays PyTorch's fused kernel
+    def logits_fn(self, x, masked=False):
+        return None
+
     def extra_repr(self):
         return f"p={self.p}"
 
@@ -384,9 +396,56 @@ def make_scheduled(schedule, num_layers, layer_idx):
 
 
 # -----------------------------------------------------------------------------
+# DropKey (Xie et al., CVPR 2023, methods.md §3.3): in training every view's real (query, key)
+# logits are dropped at random before the softmax, each with probability p (--attn-dropout-p),
+# with no rescaling: the row's softmax renormalises over the keys left.
+#     S'_ij = min of S's dtype   if k_ij = 1,  k_ij ~ Bernoulli(p)  (so A_ij = 0 exactly)
+#     S'_ij = S_ij               otherwise
+# No row is left with no key: a real query row whose every real key was drawn keeps them all
+# (S' = S on that row). A kernel hands mask_fn whole softmax rows (model.dense_attention all of
+# them; sparse.py the layout's rows, then the global rows; HST's stage 2 is a softmax of its own),
+# so the rule holds over each row's whole softmax. The draws come from torch's global random
+# stream. Off in evaluation, like every method.
+
+class DropKey(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p = float(p)
+
+    # no Bernoulli dropout on the weights after the softmax
+    def rate(self, step_frac=0.0):
+        return 0.0
+
+    # every view: DropKey acts on each forward, clean or masked (p = 0: nothing, the fused kernel)
+    def logits_fn(self, x, masked=False):
+        return self.drop_keys if self.p > 0 else None
+
+    def drop_keys(self, S, valid, pair_scores):
+        """S' from S (any layout), valid: bool, broadcastable to S, the real pairs."""
+        drawn = (torch.rand(S.shape, device=S.device) < self.p) & valid
+        # a real row with no real key left keeps them all
+        emptied = ~(valid & ~drawn).any(dim=-1, keepdim=True)
+        dropped = drawn & ~emptied
+        return S.masked_fill(dropped, torch.finfo(S.dtype).min)
+
+    def extra_repr(self):
+        return f"p={self.p}"
+
+
+# -----------------------------------------------------------------------------
 # The one switch: each layer's model.Attention builds its attention-dropout module here, by
 # cfg.attn_dropout (--attn-dropout). A new method is a class above, a line here and an entry of
-# METHODS.
+# METHODS; model.py names none of them. Every module answers two questions, in training only:
+#     rate(t) -> p               the Bernoulli rate on the weights after the softmax (0: none),
+#                                t the fraction of training done
+#     logits_fn(x, masked) -> None or mask_fn, for one view of the stacked batch: x [B, L, d]
+#                                its layer input, masked True for AttendOut's masked copy (the
+#                                last view); mask_fn(S, valid, pair_scores) -> S' is applied by the
+#                                kernel to that view's logits before the softmax, in every
+#                                topology (see AttendOut.hook for its arguments)
+# Dense attention stays PyTorch's fused kernel while no view has a mask_fn (standard, none,
+# scheduled). A method on the logits (AttendOut, DropKey) therefore acts in every view it asks
+# for: SAR's and R-Drop's, AttendOut's clean and masked passes, and HST's two stages.
 
 def make_attn_dropout(cfg, layer_idx):
     """Layer layer_idx's attention-dropout module for cfg.attn_dropout (one of METHODS)."""
@@ -399,5 +458,7 @@ def make_attn_dropout(cfg, layer_idx):
         return make_scheduled(cfg.schedule, cfg.num_layers, layer_idx)
     if method == "attendout":
         return AttendOut(cfg, layer_idx)
+    if method == "dropkey":
+        return DropKey(cfg.attn_dropout_p)
     raise ValueError(f"unknown attn_dropout {method!r}: --attn-dropout must be one of "
                      f"{', '.join(METHODS)}")

@@ -58,9 +58,10 @@ class Config:
     window: int = 1                   # w: query block i sees key blocks i-w .. i+w
     num_global: int = 1               # g: the first g tokens see, and are seen by, every token
     num_random: int = 0               # r: random key blocks per query block (BigBird: 3)
-    # Attention dropout (methods.md §3): one of attendout.METHODS; attn_dropout_p, the standard
-    # rate. AttendOut (methods.md §3.1): the keep reward's weight gnet_tau^2; the G-Nets' own peak
-    # learning rate gnet_lr (None: the backbone's, with its warmup and decay, as the author's code).
+    # Attention dropout (methods.md §3): one of attendout.METHODS; attn_dropout_p, the rate of the
+    # methods that take one (standard's Bernoulli rate). AttendOut (methods.md §3.1): the keep
+    # reward's weight gnet_tau^2; the G-Nets' own peak learning rate gnet_lr (None: the backbone's,
+    # with its warmup and decay, as the author's code).
     attn_dropout: str = "standard"
     attn_dropout_p: float = 0.1
     gnet_tau: float = 0.5
@@ -95,9 +96,11 @@ def check_config(cfg):
 # -----------------------------------------------------------------------------
 # Attention (methods.md §1 for the formula, §2 for the topologies, §3 for attention dropout).
 # Dense: S = Q K^T / sqrt(d_h), out = softmax(S + mask) V, by PyTorch's fused kernel (standard
-# dropout included). AttendOut's masked pass (methods.md §3.1) runs step by step: mask_fn turns S
-# into S' = S - 10000 (1 - M) on the real pairs, scored by pair_scores (here all of a c^T); then
-# the padding keys leave the softmax whatever the G-Net says.
+# dropout included). A method on the logits (methods.md §3, e.g. AttendOut's masked pass) runs
+# step by step: mask_fn(S, valid, pair_scores) turns S into S' on the real pairs (valid), with
+# pair_scores(a, c) = a c^T here (the G-Net's scores); then the padding keys leave the softmax
+# whatever mask_fn did. S' may come back in fp32 (AttendOut under bf16); the weights meet V in
+# V's dtype.
 def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, mask_fn=None):
     """q, k, v [B, H, L, d_h], key_mask [B, L] bool (True: a real token) or None."""
     if mask_fn is None:
@@ -114,13 +117,17 @@ def dense_attention(q, k, v, key_mask=None, dropout_p=0.0, mask_fn=None):
     S = mask_fn(S, real_pairs, pair_scores)                                       # S'
     if key_mask is not None:
         S = S.masked_fill(~key_mask[:, None, None, :], torch.finfo(S.dtype).min)
-    return S.softmax(dim=-1) @ v                                                  # [B, H, L, d_h]
+    return S.softmax(dim=-1).to(v.dtype) @ v                                      # [B, H, L, d_h]
 
 # Multi-head self-attention, THE plug-in point: Q = x W_q, K = x W_k, V = x W_v (one fused matmul),
 # a kernel chosen by the topology (dense, or sparse.py's, methods.md §2.1, §2.2), the heads through
-# W_o. attendout.make_attn_dropout (methods.md §3) gives the dropout rate and AttendOut's hook. The
-# batch may stack views (SAR's or R-Drop's copies, methods.md §2.3; AttendOut's masked copy last):
-# each is attended alone, drawing its own random blocks; only the masked one is hooked.
+# W_o. The layer's attention-dropout module (attendout.make_attn_dropout, methods.md §3) answers
+# two questions in training: rate(t), the Bernoulli rate on the weights after the softmax, and,
+# per view, logits_fn(x_view, masked) -> None or the mask_fn the kernel applies to the logits
+# before it (masked: the view is AttendOut's masked copy, the last). The batch may stack views
+# (SAR's or R-Drop's copies, methods.md §2.3; AttendOut's masked copy last): each is attended
+# alone, drawing its own random blocks. Dense attention with no mask_fn in any view stays one
+# fused call. In evaluation neither is asked: the plain model.
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
@@ -131,13 +138,14 @@ class Attention(nn.Module):
         self.drop = make_attn_dropout(cfg, layer_idx)
         self.step_frac = 0.0                      # training progress 0 .. 1 (Model.set_progress)
 
-    # Random blocks (methods.md §2.1): fresh each training forward; in evaluation one per layer.
-    def eval_generator(self, device):
+    # Random blocks (methods.md §2.1): fresh each training forward; in evaluation one per layer,
+    # from a CPU generator on every device (sparse.random_blocks draws on the CPU, then moves).
+    def eval_generator(self):
         fixed = not self.training and self.cfg.num_random > 0
         if not fixed:
             return None
         seed = 1_000_003 * (self.layer_idx + 1)
-        return torch.Generator(device=device).manual_seed(seed)
+        return torch.Generator().manual_seed(seed)
 
     # x [B, L, d] -> [B, L, d]; views: sar.py's stacked views; masked: the last is AttendOut's.
     def forward(self, x, key_mask, kernel, views=1, masked=False):
@@ -148,23 +156,24 @@ class Attention(nn.Module):
         k = k.view(B, L, H, -1).transpose(1, 2)
         v = v.view(B, L, H, -1).transpose(1, 2)
         p = self.drop.rate(self.step_frac) if self.training else 0.0               # 0 in evaluation
-        masked = masked and self.training
-        if kernel == "dense" and not masked:                                      # one fused call
+        xs = split_views(x, views)
+        mask_fns = [None] * views                                                 # evaluation
+        if self.training:
+            mask_fns = [self.drop.logits_fn(xv, masked and i == views - 1)
+                        for i, xv in enumerate(xs)]
+        if kernel == "dense" and all(fn is None for fn in mask_fns):              # one fused call
             y = dense_attention(q, k, v, key_mask, p)                             # [B, H, L, d_h]
             return self.out(y.transpose(1, 2).reshape(B, L, d))
-        # Otherwise view by view; the last one (when masked) gets the G-Net's mask_fn.
+        # Otherwise view by view, each with its own mask_fn.
         attend = block_sparse_attention if kernel == "sparse" else hst_attention   # or dense below
-        per_view = zip(split_views(x, views), split_views(q, views), split_views(k, views),
+        per_view = zip(mask_fns, split_views(q, views), split_views(k, views),
                        split_views(v, views), split_views(key_mask, views))
         ys = []
-        for i, (xv, qv, kv, vv, mv) in enumerate(per_view):
-            mask_fn = None
-            if masked and i == views - 1:
-                mask_fn = self.drop.hook(xv)
+        for mask_fn, qv, kv, vv, mv in per_view:
             if kernel == "dense":
                 y = dense_attention(qv, kv, vv, mv, p, mask_fn)
             else:
-                generator = self.eval_generator(x.device)
+                generator = self.eval_generator()
                 y = attend(qv, kv, vv, mv, generator=generator, dropout_p=p, mask_fn=mask_fn,
                            flex=x.is_cuda, **pattern_of(self.cfg))
             ys.append(y)                                                          # [B', H, L, d_h]
@@ -909,7 +918,7 @@ def layout_mask(model, layer, x, key_mask):
         return real[:, None, None, :].expand(B, cfg.num_heads, L, L)
     n = key_mask.size(1)                                 # the tokens, padded to blocks of b
     dense_mask = hst_dense_mask if cfg.attention == "hst" else block_dense_mask
-    return dense_mask(n, key_mask, generator=layer.attn.eval_generator(x.device),
+    return dense_mask(n, key_mask, generator=layer.attn.eval_generator(),
                       num_heads=cfg.num_heads, batch_size=B, **pattern_of(cfg))
 
 # One text's attention weights in a layer, [H, L, K], from the layer's input x [1, L, d], and the

@@ -51,8 +51,11 @@ def window_matrix(m, p, device=None):
 # Random blocks (methods.md §2.1): per (head, query block), r key blocks drawn uniformly outside
 # its window: the r smallest of uniform numbers, the window's set to 2. One draw serves the batch
 # (BigBird); surplus slots (short sequences) hold window blocks, ok False; r = 0 draws nothing.
+# The draw is always made on the CPU, then moved to `device`: at one seed every device (CPU, GPU,
+# `look`, `predict`) gets the same blocks. The move does not wait for the device (non_blocking).
 def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pattern):
-    """(idx, ok), long and bool [H, m, r]; generator None: torch's global one."""
+    """(idx, ok), long and bool [H, m, r] on device; generator: a CPU one, None: torch's global
+    CPU stream."""
     p = Pattern(**pattern)
     m = num_blocks
     H = num_heads
@@ -63,13 +66,12 @@ def random_blocks(num_blocks, *, num_heads=1, generator=None, device=None, **pat
     if r == 0:
         idx = torch.zeros(H, m, 0, dtype=torch.long, device=device)
         return idx, idx.bool()
-    draw_device = generator.device if generator is not None else device
-    in_window = window_matrix(m, p, draw_device)
-    u = torch.rand(H, m, m, generator=generator, device=draw_device)            # [H, m, m]
+    in_window = window_matrix(m, p)
+    u = torch.rand(H, m, m, generator=generator)                                # [H, m, m]
     u = u.masked_fill(in_window, 2.0)
     idx = u.argsort(dim=-1)[..., :r].contiguous()                               # [H, m, r]
     ok = ~in_window.expand(H, m, m).gather(-1, idx)
-    return idx.to(device), ok.to(device)
+    return idx.to(device, non_blocking=True), ok.to(device, non_blocking=True)
 
 
 # -----------------------------------------------------------------------------
@@ -270,16 +272,41 @@ def hst_attention(q, k, v, attention_mask=None, *, generator=None, dropout_p=0.0
 
 # -----------------------------------------------------------------------------
 # FlexAttention (methods.md §2.1; CUDA, nothing to drop): the same layout as a BlockMask, run by
-# PyTorch's block-sparse kernel; compiled once per process on CUDA (eager is a slow reference).
+# PyTorch's block-sparse kernel, in two steps: create_block_mask, then flex_attention. On CUDA both
+# are compiled once per process for dynamic shapes, so a new batch size or length reuses the
+# compiled code: a few compiles per run, not one per shape (past torch's recompile limit, 8, the
+# eager kernel would run, which builds every score). DYNAMIC_SHAPES makes that hold for any spread
+# of lengths: equal sizes are not tied into one symbol (use_duck_shape), and a size of 1 (a batch
+# of one, a single flex block) is not compiled apart (backed_size_oblivious). Inside a model that
+# is being compiled itself (--compile) the plain functions are called, which the model's graph
+# takes in without a break. On the CPU flex runs eagerly: a slow reference for the tests.
+DYNAMIC_SHAPES = dict(use_duck_shape=False, backed_size_oblivious=True)
 _compiled_flex = None
 
-def _flex_kernel(device):
+# (make_block_mask, attend) compiled with `backend` (the tests give a counting one), each call run
+# under DYNAMIC_SHAPES; the signatures of create_block_mask and flex_attention.
+def compile_flex(backend="inductor"):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    compiled = [torch.compile(f, dynamic=True, backend=backend)
+                for f in (create_block_mask, flex_attention)]
+
+    def under_dynamic_shapes(f):
+        def call(*args, **kwargs):
+            with torch.fx.experimental._config.patch(**DYNAMIC_SHAPES):
+                return f(*args, **kwargs)
+        return call
+
+    return tuple(under_dynamic_shapes(f) for f in compiled)
+
+# The pair flex_stage1 uses on `device`: compiled on CUDA (built on first use), plain elsewhere
+# and inside a model being compiled.
+def flex_functions(device):
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-    if device.type != "cuda":
-        return flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return create_block_mask, flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = compile_flex()
     return _compiled_flex
 
 # FlexAttention asks mask_mod(batch, head, query, key) -> bool for every pair: the gather kernel's
@@ -305,7 +332,6 @@ def layout_mask_mod(lay, real, n, b, g):
 # Stage 1 through flex_attention: the BlockMask comes from the same random draw and key_layout as
 # the gather kernel's, so the outputs are equal (tests/test_flex.py).
 def flex_stage1(q, k, v, attention_mask, *, with_reps, generator=None, **pattern):
-    from torch.nn.attention.flex_attention import create_block_mask
     p = Pattern(**pattern)
     B, H, L, d = q.shape
     b = p.block_size
@@ -317,8 +343,9 @@ def flex_stage1(q, k, v, attention_mask, *, with_reps, generator=None, **pattern
     rand_idx, rand_ok = random_blocks(m, num_heads=H, generator=generator, device=dev, **pattern)
     lay = key_layout(n, p, rand_idx, rand_ok, with_reps)
     mask_mod = layout_mask_mod(lay, real, n, b, g)
-    block_mask = create_block_mask(mask_mod, B, H, L, L, device=dev, _compile=dev.type == "cuda")
-    return _flex_kernel(dev)(q, k, v, block_mask=block_mask)
+    make_block_mask, attend = flex_functions(dev)
+    block_mask = make_block_mask(mask_mod, B, H, L, L, device=dev)
+    return attend(q, k, v, block_mask=block_mask)
 
 
 # -----------------------------------------------------------------------------

@@ -425,7 +425,7 @@ def test_standard_none_rates():
 
 
 def test_methods_is_the_one_list():
-    assert list(ao.METHODS) == ["standard", "none", "attendout", "scheduled"]
+    assert list(ao.METHODS) == ["standard", "none", "attendout", "scheduled", "dropkey"]
     for name, says in ao.METHODS.items():                   # every one builds, and names itself
         cfg = tiny_config(attn_dropout=name, schedule="linear:0.1:0.3")
         assert ao.make_attn_dropout(cfg, 0) is not None and says.format(p=0.1, cfg=cfg)
@@ -467,3 +467,133 @@ def test_gnet_lr_none_is_the_backbone_lr(listops_dir, tmp_path):
                       "attendout", "--lr", "3e-4")                  # the demo's own setting: DEMO's 1e-5
     gnet = [g for g in train.setup(args).optimizer.param_groups if g["name"] == "gnet"]
     assert [g["base_lr"] for g in gnet] == [train.DEMO["gnet_lr"]] == [1e-5]
+
+
+# -----------------------------------------------------------------------------
+# DropKey (methods.md §3.3): a method on the logits that lives in attendout.py alone
+
+def weights_and_drops(kernel, p, seed=0):
+    """One training call of `kernel` ("dense", "sparse", "hst") with DropKey at rate p, V the identity, so the
+    output is the attention weights A [B, H, L, L] over the real tokens (and R under HST); with the pairs the
+    pattern allows (bool [B, H, L, L]), the real query rows [B, 1, L, 1] and the number of pairs DropKey set."""
+    torch.manual_seed(seed)
+    B, H, n, b = 2, 2, 16, 4
+    L = n + n // b if kernel == "hst" else n
+    q, k = torch.randn(B, H, L, L), torch.randn(B, H, L, L)     # d_h = L: the kernels' V has q's width
+    v = torch.eye(L).expand(B, H, L, L)
+    att = torch.ones(B, n, dtype=torch.long)
+    att[1, 11:] = 0
+    drop = ao.DropKey(p)
+    dropped = []
+
+    def record(S, valid, pair_scores):
+        S2 = drop.logits_fn(None)(S, valid, pair_scores)
+        dropped.append(int(((S2 != S) & valid).sum()))
+        return S2
+
+    pattern = dict(block_size=b, window=1, num_global=1, num_random=1)
+    real = sparse.real_keys(att, n, b, kernel == "hst", B)                  # [B, L]
+    if kernel == "dense":
+        out = M.dense_attention(q, k, v, real, mask_fn=record)
+        allowed = real[:, None, None, :].expand(B, H, L, L)
+        plain = M.dense_attention(q, k, v, real)
+    else:
+        attend = sparse.hst_attention if kernel == "hst" else sparse.block_sparse_attention
+        dense_mask = sparse.hst_dense_mask if kernel == "hst" else sparse.dense_mask
+        out = attend(q, k, v, att, generator=torch.Generator().manual_seed(5), mask_fn=record, **pattern)
+        plain = attend(q, k, v, att, generator=torch.Generator().manual_seed(5), **pattern)
+        allowed = dense_mask(n, att, generator=torch.Generator().manual_seed(5), num_heads=H, batch_size=B,
+                             **pattern)
+    return out, plain, allowed, real[:, None, :, None], sum(dropped)
+
+
+@pytest.mark.parametrize("kernel", ["dense", "sparse", "hst"])
+def test_dropkey_rows_sum_to_one_and_dropped_pairs_get_weight_zero(kernel):
+    A, plain, allowed, real_rows, dropped = weights_and_drops(kernel, 0.3)
+    real_pairs = allowed & real_rows
+    assert torch.allclose(A.sum(-1)[real_rows[..., 0].expand_as(A[..., 0])], torch.tensor(1.0), atol=1e-6)
+    # the only zero weights among the real pairs are the dropped ones (softmax leaves every other > 0)
+    zeros = int(((A == 0) & real_pairs).sum())
+    assert zeros == dropped and 0.2 < dropped / int(real_pairs.sum()) < 0.4
+    assert not torch.allclose(A, plain)
+
+
+@pytest.mark.parametrize("kernel", ["dense", "sparse", "hst"])
+def test_dropkey_keeps_every_key_of_a_row_whose_keys_were_all_drawn(kernel):
+    # at p = 1 every real key of every row is drawn: each row keeps them all, over its whole softmax (sparse.py
+    # gives mask_fn the layout's rows and the global rows apart; each holds whole rows), so A is the plain one
+    A, plain, allowed, real_rows, dropped = weights_and_drops(kernel, 1.0)
+    assert dropped == 0
+    assert torch.allclose(A * real_rows, plain * real_rows, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse", "hst"])
+def test_dropkey_acts_in_every_training_view_and_evaluation_is_the_plain_model(attention):
+    models = {}
+    for method in ("dropkey", "none"):
+        torch.manual_seed(0)
+        models[method] = M.Model(tiny_config(attention=attention, attn_dropout=method, attn_dropout_p=0.3,
+                                             num_random=1))
+    ids, mask = batch()
+    with torch.no_grad():
+        for model in models.values():
+            model.eval()
+        assert torch.equal(models["dropkey"](ids, mask), models["none"](ids, mask))
+        assert torch.equal(models["dropkey"](ids, mask, masked=True), models["none"](ids, mask))
+        # one view; SAR's or R-Drop's two; those and AttendOut's masked copy
+        for n_views, masked in ((1, False), (2, False), (3, True)):
+            stacked = (torch.cat([ids] * n_views), torch.cat([mask] * n_views))
+            views = {}
+            for method, model in models.items():
+                torch.manual_seed(1)                      # the same random blocks in both
+                h = model.train().encode(*stacked, views=n_views, masked=masked)
+                views[method] = h.chunk(n_views)
+            for view, plain in zip(views["dropkey"], views["none"]):
+                assert not torch.allclose(view, plain, atol=1e-3)
+            if n_views > 1:                               # drawn afresh per view
+                assert not torch.allclose(views["dropkey"][0], views["dropkey"][1], atol=1e-3)
+
+
+def test_model_py_never_names_dropkey():
+    # a method on the logits lives in attendout.py alone: model.py never names it
+    source = open(M.__file__).read().lower()
+    assert "dropkey" not in source
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse", "hst"])
+def test_dropkey_trains_through_train_py(attention, listops_dir, tmp_path, capsys):
+    out = tmp_path / attention
+    argv = ["--task", "listops", "--data", listops_dir, "--out", str(out), *TINY, "--attention", attention,
+            "--block-size", "8", "--attn-dropout", "dropkey", "--attn-dropout-p", "0.3", "--max-steps", "2",
+            "--batch-size", "4", "--log-every", "1"]
+    if attention != "dense":
+        argv += ["--sar", "1", "--views", "2", "--num-random", "1"]
+    args = train.parse_args(argv)
+    assert args.attn_dropout == "dropkey" and args.attn_dropout_p == 0.3
+    train.main(argv)
+    assert "DropKey 0.3" in capsys.readouterr().out
+    log = [json.loads(line) for line in open(out / "log.jsonl") if '"loss"' in line]
+    assert len(log) == 2 and all(math.isfinite(rec["loss"]) for rec in log)
+
+
+# -----------------------------------------------------------------------------
+# AttendOut under bf16 (issue 55): the mask is applied in fp32
+
+def test_a_fully_masked_row_is_unchanged_under_bf16_too():
+    torch.manual_seed(0)
+    B, H, L = 1, 2, 6
+    S = (torch.randn(B, H, L, L) * 3).bfloat16()
+    G = torch.randn(1, 1, L, L)
+    G[:, :, 0] = -1.0                                    # row 0: every key masked
+    G[:, :, 1] = 1.0                                     # row 1: every key kept
+    mod = ao.AttendOut(tiny_config(hidden_size=8))
+    mod.gnet.features = lambda x: (None, None)
+    valid = torch.ones(1, 1, L, L, dtype=torch.bool)
+    S2 = mod.hook(None)(S, valid, lambda a, c: G)
+    A, plain = S2.float().softmax(-1), S.float().softmax(-1)
+    assert torch.allclose(A[:, :, :2], plain[:, :, :2], atol=1e-2)
+    assert A[:, :, 0].std(-1).min() > 0.05                # not uniform
+    # in fp32 S' = S - 10000 (1 - M) exactly, as before
+    S32 = S.float()
+    M_ = (G > 0).float()
+    assert torch.equal(mod.hook(None)(S32, valid, lambda a, c: G), S32 + ((M_ - 1) * ao.MASKED).to(S32.dtype))
