@@ -122,7 +122,7 @@ def make_parser(defaults=True):
     add("--num-random", type=int, help="r, random key blocks per query block (Config: 0)")
     add("--max-positions", type=int, help="position-table rows (more than the checkpoint's)")
     add("--attn-dropout", choices=list(attendout.METHODS), help="attendout.METHODS")
-    add("--attn-dropout-p", type=float, help="standard attention dropout's rate (Config: 0.1)")
+    add("--attn-dropout-p", type=float, help="the rate of standard and dropkey (Config: 0.1)")
     add("--hidden-dropout-p", type=float, help="embedding and residual dropout (Config: 0.1)")
     add("--gnet-tau", type=float, help="AttendOut: the keep reward's weight is tau^2 (Config: 0.5)")
     add("--gnet-lr", type=float, help="the G-Nets' own peak learning rate (Config: --lr's)")
