@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -189,11 +190,11 @@ def free_port():
 # A process that waits longer than the collective timeout aborts the job (NCCL's default: 10 minutes). So every
 # process evaluates its share (train.evaluate) and none waits on another's whole evaluation: rehearsed with a 5 s
 # timeout and each evaluation forward slowed to 3 s, where the 2 dev batches on rank 0 alone would keep rank 1
-# waiting 6 s in the barrier (the job then aborts).
+# waiting 6 s in the barrier (the job then aborts). Each process prints how many predictions its metrics saw.
 SLOW_EVAL = """
 import datetime, functools, sys, time
 import torch.distributed as dist
-import model, train
+import data, model, train
 dist.init_process_group = functools.partial(dist.init_process_group, timeout=datetime.timedelta(seconds=5))
 forward = model.Model.forward
 def slow(self, *a, **kw):
@@ -201,6 +202,11 @@ def slow(self, *a, **kw):
         time.sleep(3)
     return forward(self, *a, **kw)
 model.Model.forward = slow
+metrics = data.compute_metrics
+def counted(task, preds, labels):
+    print(f"scored {len(preds)} predictions", flush=True)
+    return metrics(task, preds, labels)
+data.compute_metrics = counted
 train.main(sys.argv[1:])
 """
 
@@ -227,6 +233,8 @@ def test_torchrun_two_processes_match_one(tmp_path):
     a, b = ckpt["model"], weights(tmp_path / "one" / "ckpt_last.pt")
     assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=0) for k in a)
     # the evaluation: each process scored every other batch; gathered, they score as one process
+    scored = re.findall(r"scored (\d+) predictions", p.stdout)      # each process's, final.json's baseline
+    assert len(scored) == 3 and set(scored) == {"16"}, scored
     finals = [json.load(open(tmp_path / run / "final.json")) for run in ("ddp", "one")]
     assert finals[0]["dev_splits"] == finals[1]["dev_splits"]
 
