@@ -511,9 +511,11 @@ def opening_line(r):                                     # task | model | method
 
 # -----------------------------------------------------------------------------------------------
 # 3. The loop: steps until the last (r.total) or a stop (Ctrl-C, SIGTERM; under torchrun all stop
-# together). After each step: the log line, AttendOut's rates, an evaluation every --eval-every
-# steps (0: each epoch's end), ckpt_last.pt every --save-every steps; both at the last step. A
-# checkpoint holds all that was logged before it: a resumed run continues the logs exactly.
+# together). After each step: its numbers kept on the device until the next log line (every
+# --log-every steps, and before an evaluation or a save) reads them all (log_pending: the log
+# lines, AttendOut's rates), an evaluation every --eval-every steps (0: each epoch's end),
+# ckpt_last.pt every --save-every steps; both at the last step. A checkpoint holds all that was
+# logged before it: a resumed run continues the logs exactly.
 def train(r):
     args = r.args
     state = r.state
@@ -869,8 +871,8 @@ def gather_batches(mine, world):
     dist.all_gather_object(everyone, (mine, sizes))
     pieces = [np.split(values, np.cumsum(counts)[:-1]) if counts else []
               for values, counts in everyone]            # by process, its batches
-    in_order = [piece for row in itertools.zip_longest(*pieces) for piece in row if piece is not None]
-    return np.concatenate(in_order)
+    rows = itertools.zip_longest(*pieces)                # batch i of each process, i = 0, 1, ..
+    return np.concatenate([piece for row in rows for piece in row if piece is not None])
 
 # Each evaluation: the dev metrics (--eval-shift: also those under shifted topologies, with their
 # mean and worst, sar.add_shifted) into log.jsonl as {"step": s, "dev": {split: metrics}} and the
