@@ -1,23 +1,38 @@
 """research/experiments.py: the grids and probes behind docs/results.md, one command each.
 
-What it is: a thin driver, not part of the course. Every cell of a table is an ordinary `python train.py ...` run
-(its exact command is printed and kept in its final.json); this file loops over rows and seeds, skips the runs that
-finished (an interrupted grid continues where it stopped), and writes each table (Markdown) and its raw numbers
-(JSON) to --tables. Seeds are paired: a row's difference to the baseline row comes with a 95% t-interval.
+What it is: a thin driver, not part of the course. Every cell of a table is an ordinary `python train.py ...`
+run (its exact command is printed; its final.json keeps every flag in force); this file loops over rows and
+seeds, skips the runs that finished with the same flags (an interrupted grid continues where it stopped), and
+writes each table (Markdown) and its raw numbers (JSON) to --tables. Seeds are paired: a row's difference to the
+baseline row comes with a 95% t-interval.
 
 The experiments (the ERNIE-Sparse rows: hst, the baseline, then dense, sparse, hst+sar, hst+rdrop):
-  listops                  from scratch on short generated ListOps (10-60 tokens), scored under every shift
-  listops-long             the same at LRA's lengths (500-1,000 tokens); --candidates: the learning curves of the
-                           model sizes that chose the grid's model (LONG_CANDIDATES)
-  listops-long-probe       what a shift does to the listops-long models' answers (changed predictions, KL)
-  pretrained-sparse        the same rows fine-tuned from --init on SST-2 and MR, scored under every shift of b = 8
-  pretrained-attendout     fine-tuning --init with standard (baseline), none, attendout, scheduled, layerdrop or
-                           attn_layerdrop attention dropout; 1,000 training examples (lowres) or all (full)
-  lab                      the generated tasks where one mechanism decides (data.LAB); --variants ROW runs one row,
-                           --base OTHER_LAB pairs it by seed with another lab's runs (base.md)
-  shortcut-text            a word that gives the label away in real text (SST-2, MR): how much each method relies
-                           on it (--parts probe, main, sparse, oracle, p1)
-Every grid runs --jobs runs at a time (default 1), each its own train.py process at --threads threads.
+  listops               from scratch on short generated ListOps (10-60 tokens), scored under every shift
+  listops-long          the same at LRA's lengths (500-1,000 tokens); --candidates: the learning curves of
+                        the model sizes that chose the grid's model (LONG_CANDIDATES)
+  listops-long-probe    what a shift does to the listops-long models' answers (changed predictions, KL)
+  pretrained-sparse     the same rows fine-tuned from --init on SST-2 and MR, under every shift of b = 8
+  pretrained-attendout  fine-tuning --init with standard (baseline), none, attendout, scheduled, layerdrop or
+                        attn_layerdrop attention dropout; 1,000 training examples (lowres) or all (full)
+  gnet-lr               the G-Nets' learning rate at the author's setting (MiniLM at --lr 2e-5)
+  sar-ce                the demo with SAR's cross-entropy on both views against the original alone
+  lab                   the generated tasks where one mechanism decides (data.LAB); --variants ROW runs one
+                        row, --base OTHER_LAB pairs it by seed with another lab's runs (base.md)
+  shortcut-text         a word that gives the label away in real text (SST-2, MR): how much each method
+                        relies on it (--parts probe, main, sparse, oracle, p1)
+
+How a grid works (each grid is one function of EXPERIMENTS, called twice by main):
+  plan  main calls the grid with a.plan = []: the grid loops over its rows and seeds and calls
+        run_train(flags, out, a) for each run. run_train adds --extra's flags (each flag once: --extra's
+        value replaces the grid's), skips a run whose OUT/final.json recorded the same flags, and puts the
+        others' commands in a.plan; a finished run of other flags is one error line before anything runs.
+        The grid returns before its table (`if a.plan is not None: return`). --dry-run prints a.plan.
+  run   run_all runs a.plan, --jobs runs at a time, each its own train.py process (OUT/NAME.log).
+  read  main calls the grid again with a.plan = None: run_train now returns each run's final.json, with
+        "changed" (the flags --extra changed in that run, from its recorded flags), and the grid writes its
+        table (write_table: --tables/NAME.md and NAME.json; the lab: OUT/lab.json, lab.md, base.md).
+A new grid is a function (rows, seeds, run_train, table, in that order; `lab` is the model) and its entry
+in EXPERIMENTS.
 
 How to run it (from the repository root; add --dry-run to a grid to print its commands and run nothing):
     python research/experiments.py listops --threads 2
@@ -25,16 +40,17 @@ How to run it (from the repository root; add --dry-run to a grid to print its co
     python research/experiments.py listops-long --candidates --variants 2x64 2x128
     python research/experiments.py listops-long-probe --variants hst sparse hst+sar
     python research/experiments.py pretrained-sparse --init ckpt/minilm.pt --data-root DATA
-    python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2 3 4
+    python research/experiments.py pretrained-attendout --init ckpt/minilm.pt --data-root DATA \
+        --seeds 0 1 2 3 4
     python research/experiments.py gnet-lr --init ckpt/minilm.pt --data-root DATA --seeds 0 1 2
     python research/experiments.py lab --out out/lab --jobs 2
     python research/experiments.py lab --variants reach-sparse-g0 --extra="--window 2" --out out/mine \
         --base docs/results/results_lab.json
     python research/experiments.py shortcut-text --init ckpt/minilm.pt --data-root DATA --jobs 2
-ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each with
-train.tsv and dev.tsv as label<TAB>sentence. More train.py flags for every run go in ONE string, always written
-with "=" (--extra="--window 2 --lr 1e-3"), so that the grid's own flags (--out, --base, --dry-run) may come
-anywhere on the line, before or after it.
+ckpt/minilm.pt comes from `python model.py convert HF_DIR ckpt/minilm.pt`; DATA holds sst2/ and mr/, each
+with train.tsv and dev.tsv as label<TAB>sentence. More train.py flags for every run go in ONE string, always
+written with "=" (--extra="--window 2 --lr 1e-3"), so that the grid's own flags (--out, --base, --dry-run)
+may come anywhere on the line, before or after it.
 """
 import argparse
 import collections
@@ -59,25 +75,124 @@ import data  # noqa: E402
 import sar  # noqa: E402
 import train  # noqa: E402
 from data import ArgumentParser, fail, one_line_errors  # noqa: E402
-from model import build_model, read_checkpoint  # noqa: E402
+from model import Config, build_model, read_checkpoint  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# A run's flags. A command is a list of words; flag_dict cuts it into an ordered {flag: [values]}: a word
+# that opens with "--" opens a flag (by its full name: train.py's parser also takes an unambiguous prefix),
+# the words after it are its values (no value of train.py's opens with "--"). A flag given twice keeps its
+# first place and its last value, the one argparse uses.
+
+RUNNER_FLAGS = ("out", "threads", "overwrite")     # the runner's: they never tell two runs apart
+ORACLE_FLAGS = ("--oracle-layers",)                # research/oracle_mask.py's own, beside train.py's
+
+
+def flag_dict(words):
+    """{flag: [values]} of a command's words, in order, each flag once (its last value)."""
+    names = [*train.make_parser()._option_string_actions, *ORACLE_FLAGS]
+    flags, name = {}, None
+    for word in words:
+        if not word.startswith("--"):
+            flags[name].append(word)
+            continue
+        word, eq, value = word.partition("=")                    # --window=2
+        prefixed = [n for n in names if n.startswith(word)]
+        name = word if word in names or len(prefixed) != 1 else prefixed[0]
+        flags[name] = [value] if eq else []
+    return flags
+
+
+def flag_words(flags):
+    return [word for name, values in flags.items() for word in (name, *values)]
+
+
+def merge_flags(words, more):
+    """`words` with each flag of `more` in place of its value there (or after them, where `words` lacks it):
+    every flag once, with the value that runs."""
+    flags = flag_dict(words)
+    flags.update(flag_dict(more))
+    return flag_words(flags)
+
+
+@functools.lru_cache(maxsize=None)
+def model_config(init):
+    """The model.Config a run starts from: Config's defaults from scratch, the checkpoint's with --init."""
+    return Config() if init == "scratch" else read_checkpoint(init)[0]
+
+
+def differences(words, recorded):
+    """[(flag, recorded value, planned value)]: the flags in which a finished run (final.json's "args", every
+    flag in force) differs from the flags `words` would run with (train.parse_args). A Config flag that
+    `words` leave out takes the model's value (model_config; gnet_lr None: --lr's, train.gnet_peak_lr).
+    Not compared: the runner's flags, --max-len and --max-positions left to the task and the model, and
+    research/oracle_mask.py's --oracle-layers (train.py does not record it; the row's folder names it)."""
+    flags = {n: v for n, v in flag_dict(words).items() if n not in ORACLE_FLAGS}
+    planned = vars(train.parse_args(flag_words(flags)))
+    found = []
+    for name, was in recorded.items():
+        if name in RUNNER_FLAGS or name not in planned:
+            continue
+        want = planned[name]
+        if want is None and name in ("max_len", "max_positions"):
+            continue
+        if want is None and name in train.CONFIG_FLAGS:
+            want = getattr(model_config(planned["init"]), name)
+            want = planned["lr"] if name == "gnet_lr" and want is None else want
+        if json.loads(json.dumps(want)) != was:            # as final.json holds it: tuples are lists
+            found.append((train.flag(name), was, want))
+    return found
+
+
+def shown(value):
+    """A flag's value as a command line writes it."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def changed_words(found):
+    """differences' flags with the values the run recorded: "--attn-dropout dropkey --window 2"."""
+    return " ".join(f"{name} {shown(was)}" for name, was, _ in found) or None
+
 
 # -----------------------------------------------------------------------------
 # Runs, tables and paired statistics
 
 def run_train(flags, out, a, script="train.py"):
-    """One `python train.py FLAGS` run into `out` (or another script that takes train.py's flags): its final.json,
-    or None while the grid is being planned (the run, unless finished, joins a.plan; run_all runs the plan, then
-    the grid reads every final.json)."""
+    """One `python SCRIPT FLAGS` run into `out`, --extra's flags in place of the grid's (merge_flags). While
+    the grid is planned (a.plan a list): nothing, the run's command joining a.plan unless `out` holds a
+    finished run of the same flags; a finished run of other flags joins a.stale (main's error). While the
+    grid is read: the run's final.json, with "changed", the flags in which the run differs from `flags`
+    (None: none)."""
     final = os.path.join(out, "final.json")
+    words = merge_flags(flags, a.extra)
     if a.plan is not None:
-        if not os.path.exists(final):
-            cmd = [sys.executable, os.path.join(ROOT, script), *flags, "--out", out, "--overwrite",
+        if os.path.exists(final):
+            with open(final) as f:
+                found = differences(words, json.load(f).get("args", {}))
+            if found:
+                a.stale.append((out, found))
+        elif out not in [folder for _, folder in a.plan]:   # two parts of a grid may share a run
+            cmd = [sys.executable, os.path.join(ROOT, script), *words, "--out", out, "--overwrite",
                    "--threads", str(a.threads)]
-            if out not in [folder for _, folder in a.plan]:    # two parts of a grid may share a run
-                a.plan.append((cmd, out))
+            a.plan.append((cmd, out))
         return None
     with open(final) as f:
-        return json.load(f)
+        record = json.load(f)
+    record["changed"] = changed_words(differences(flags, record.get("args", {})))
+    return record
+
+
+def stale_error(stale):
+    """The one error line for finished runs of other flags than planned (run_train's a.stale)."""
+    out, found = stale[0]
+    flags = "; ".join(f"{name} {shown(was)}, planned {shown(want)}" for name, was, want in found)
+    more = f" (and {len(stale) - 1} other run folder(s) like it)" if len(stale) > 1 else ""
+    return f"{out} holds a finished run of other flags ({flags}){more}: give another --out"
+
+
+def ran_as(name, finals):
+    """A table's row name, with the flags --extra changed in its runs: "hst (ran with --window 2)"."""
+    changes = sorted({f["changed"] for f in finals if f.get("changed")})
+    return f"{name} (ran with {'; '.join(changes)})" if changes else name
 
 
 def schedule_source(cmd):
@@ -239,6 +354,7 @@ def shifted_scores(fs, dirs):
         cols["acc_by_shift"].append([dev["acc"]] + [m["acc"] for m in dev["shift"]["by"].values()])
         cols["shift_drop"].append(dev["acc"] - dev["shift"]["mean"]["acc"])
         cols["wall_time_s"].append(f["wall_time_s"])
+        cols["changed"].append(f.get("changed"))         # run_train's: the flags --extra changed
     return dict(cols)
 
 
@@ -308,7 +424,7 @@ def listops_grid(a):
     for s in a.seeds:
         for name in chosen(a, SPARSE_ROWS):
             out = os.path.join(a.out, f"{a.experiment}-{run_name(name)}-s{s}")
-            flags = [*LISTOPS[a.experiment][1], *SPARSE_ROWS[name], "--data", folder, *a.extra, "--seed", str(s)]
+            flags = [*LISTOPS[a.experiment][1], *SPARSE_ROWS[name], "--data", folder, "--seed", str(s)]
             finals[name].append(run_train(flags, out, a))
             dirs[name].append(out)
     if a.plan is not None:                               # main's planning pass: nothing ran yet
@@ -316,12 +432,12 @@ def listops_grid(a):
     raw = {name: shifted_scores(fs, dirs[name]) for name, fs in finals.items()}
     f0 = finals["hst"][0]
     table = [f"| attention | {SPARSE_HEADER} |", "|---" * 10 + "|",
-             *[f"| {name} | {sparse_cells(raw, name)} |" for name in raw]]
+             *[f"| {ran_as(name, finals[name])} | {sparse_cells(raw, name)} |" for name in raw]]
     note = (f"Generated ListOps (data.write_listops({LISTOPS[a.experiment][0]})); majority-class baseline "
             f"{100 * f0['majority_baseline']:.1f}%. Seeds {a.seeds}; mean +- std over seeds of the final weights' "
             f"dev accuracy; paired difference to hst with a 95% t-interval over seeds. Shifted: every s = 1 .. "
             f"{f0['config']['block_size'] - 1} (train.py --eval-shift all; dense: s = 1 alone, a shift moves no "
-            f"block boundary). Flags: {' '.join(LISTOPS[a.experiment][1] + a.extra)}")
+            f"block boundary). Flags: {' '.join(merge_flags(LISTOPS[a.experiment][1], a.extra))}")
     write_table(a, "results_" + a.experiment.replace("-", "_"), table, note, raw)
 
 
@@ -332,7 +448,7 @@ def listops_candidates(a, folder):
     for name in chosen(a, LONG_CANDIDATES, baseline=False):          # --variants 2x64 2x128: only these sizes
         out = os.path.join(a.out, f"listops-long-candidate-{name}-s{s}")
         flags = [*LONG_COMMON, *LONG_CURVE, *LONG_CANDIDATES[name], *LONG_TOPOLOGY, "--attention", "hst",
-                 "--data", folder, *a.extra, "--seed", str(s)]
+                 "--data", folder, "--seed", str(s)]
         f = run_train(flags, out, a)
         if f is not None:
             log = read_jsonl(os.path.join(out, "log.jsonl"))
@@ -347,7 +463,7 @@ def listops_candidates(a, folder):
              f"| time per run (s) | {' | '.join(f'{w:.0f}' for w in walls.values())} |"]
     note = (f"Dev accuracy (%) on the original topology; hst attention, seed {s}; majority-class baseline "
             f"{100 * f['majority_baseline']:.1f}%. Candidates: {({n: LONG_CANDIDATES[n] for n in curves})}. "
-            f"Flags: {' '.join(LONG_COMMON + LONG_CURVE + LONG_TOPOLOGY + a.extra)}")
+            f"Flags: {' '.join(merge_flags(LONG_COMMON + LONG_CURVE + LONG_TOPOLOGY, a.extra))}")
     write_table(a, "results_listops_long_candidates", table, note, {"curves": curves, "wall_time_s": walls})
 
 
@@ -548,7 +664,7 @@ def pretrained_runs(a, rows, common):
                     ao_out = os.path.join(a.out, f"{ds}-{setting}-attendout-s{s}")
                     extra = [x.format(attendout_out=ao_out) for x in rows[name]]
                     f = run_train([*PRE_COMMON, *common, "--init", a.init, *flags, "--epochs", str(epochs), *extra,
-                                   *a.extra, "--seed", str(s)], out, a)
+                                   "--seed", str(s)], out, a)
                     finals[(ds, setting, name)].append(f)
                     dirs[(ds, setting, name)].append(out)
                     if f is not None and not a.keep_ckpt:
@@ -575,7 +691,7 @@ def pretrained_note(a, extra=""):
     return (f"Fine-tuned from {a.init}; {settings} (lowres: the first {SUBSAMPLE} lines after random.Random("
             f"{SUBSAMPLE_SEED}).shuffle, write_subsample). Seeds {a.seeds}; mean +- std over seeds of the final "
             f"weights' dev accuracy; paired difference to the baseline row with a 95% t-interval over seeds. "
-            f"{extra}Flags: {' '.join(PRE_COMMON + a.extra)}")
+            f"{extra}Flags: {' '.join(merge_flags(PRE_COMMON, a.extra))}")
 
 
 def pretrained_sparse(a):
@@ -586,7 +702,8 @@ def pretrained_sparse(a):
     raw, rows = collections.defaultdict(dict), []
     for (ds, setting, name), fs in finals.items():
         raw[f"{ds}-{setting}"][name] = shifted_scores(fs, dirs[(ds, setting, name)])
-        rows.append(f"| {ds} | {setting} | {name} | {sparse_cells(raw[f'{ds}-{setting}'], name)} |")
+        cells = sparse_cells(raw[f"{ds}-{setting}"], name)
+        rows.append(f"| {ds} | {setting} | {ran_as(name, fs)} | {cells} |")
     table = [f"| data | setting | attention | {SPARSE_HEADER} |", "|---" * 12 + "|", *rows]
     note = pretrained_note(a, "Shifted: s = 1 .. 7 (train.py --eval-shift all; dense: s = 1 alone). Topology: "
                               + " ".join(PRE_SPARSE_TOPOLOGY) + ". ")
@@ -614,7 +731,8 @@ def pretrained_attendout(a):
     raw, rows = collections.defaultdict(dict), []
     for (ds, setting, name), fs in finals.items():
         acc = raw[f"{ds}-{setting}"][name] = [dev_acc(f) for f in fs]
-        rows.append(f"| {ds} | {setting} | {name} | {fmt(acc)} | {fmt_diff(raw[f'{ds}-{setting}']['standard'], acc)} "
+        diff = fmt_diff(raw[f"{ds}-{setting}"]["standard"], acc)
+        rows.append(f"| {ds} | {setting} | {ran_as(name, fs)} | {fmt(acc)} | {diff} "
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
     table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% CI (points) "
              "| time per run (s) |", "|---|---|---|---|---|---|", *rows]
@@ -662,30 +780,33 @@ def plot_droprates(a):
 
 
 # -----------------------------------------------------------------------------
-# The lab: generated tasks where one mechanism decides the answer (data.LAB; docs/results.md, "The lab")
+# The lab: generated tasks where one mechanism decides the answer (data.LAB; docs/results.md, "The lab").
+# The grid reads top to bottom: its rows (LAB_ROWS), seeds (LAB_SEEDS), flags (lab_flags), the grid (lab),
+# each run's record (lab_record), the tables (lab_table, against_base) and the tasks' numbers (bound, floors).
 
-# One small model for every lab run: 2 x 64 from scratch, blocks of 8 (the tasks are built for b = 8), window 1, no
-# random blocks, hidden dropout 0.1 (Config's), lr 2e-3, batch 32, one evaluation at the end. The layers and the
-# window fix block-sparse attention's reach (reach_tokens), which the bound follows.
+# One small model for every lab run: 2 x 64 from scratch, blocks of 8 (the tasks are built for b = 8),
+# window 1, no random blocks, hidden dropout 0.1 (Config's), lr 2e-3, batch 32, one evaluation at the end.
+# The layers and the window fix block-sparse attention's reach (reach_tokens), which the bound follows.
 LAB_MODEL = dict(layers=2, window=1, block=8)
 LAB_COMMON = ["--init", "scratch", "--layers", str(LAB_MODEL["layers"]), "--hidden", "64", "--heads", "4",
               "--ffn", "128", "--block-size", str(LAB_MODEL["block"]), "--window", str(LAB_MODEL["window"]),
               "--num-random", "0", "--batch-size", "32", "--lr", "2e-3", "--eval-every", "1000000",
               "--save-every", "0"]
-# The G-Nets' peak rate the lab states for lab-shortcut (--gnet-lr): 1e-4 against the backbone's 2e-3. Chosen by
-# issue 43's probe before the grid ran: at 1e-4 AttendOut broke the shortcut at 5 seeds of 5, at 1e-5 at 1 of 3,
-# at the backbone's rate at 0 of 2; the grid shows the default (the backbone's rate) beside it.
+# The G-Nets' peak rate of lab-shortcut's tuned AttendOut row (--gnet-lr): 1e-4 against the backbone's 2e-3,
+# chosen by a probe before the grid ran (docs/results.md, the lab's reading 5). A row that gives no --gnet-lr
+# trains its G-Nets at train.py's default, DEMO_GNET_LR (train.DEMO's, which applies from scratch).
 LAB_GNET_LR = 1e-4
-# A row's settings where it names none: block-sparse without a global token, one view (CE on it), no SAR, no
-# attention dropout, 600 steps. views 2: SAR's shifted second view (--sar-shift 1) at consistency weight `sar`,
-# the cross-entropy on both views (ce "all") or on the original alone (ce "original").
-LAB_ROW = dict(attention="sparse", num_global=0, views=1, ce="all", sar=0.0, attn_dropout="none", gnet_lr=None,
-               steps=600)
+DEMO_GNET_LR = train.DEMO["gnet_lr"]
+# A row's settings where it names none: block-sparse without a global token, one view, no SAR, no attention
+# dropout, 600 steps. views 2: SAR's shifted second view (--sar-shift 1) at consistency weight `sar`, the
+# cross-entropy on both views (ce "all") or on the original alone (ce "original").
+LAB_ROW = dict(attention="sparse", num_global=0, views=1, ce="all", sar=0.0, attn_dropout="none",
+               gnet_lr=None, steps=600)
 
 
 def lab_name(row):
-    """A row's run-folder name (its seed appended): the task without "lab-", the topology, and each setting that
-    differs from LAB_ROW's."""
+    """A row's name, its run folder without the seed: the task without "lab-", the topology, and each setting
+    that differs from LAB_ROW's."""
     name = f"{row['task'][4:]}-{row['attention']}-g{row['num_global']}"
     if row["views"] == 2:
         name += f"-views2-ce{row['ce']}-sar{row['sar']:g}"
@@ -699,11 +820,12 @@ def lab_name(row):
 # lab-shortcut's AttendOut row at the lab's G-Net rate; the scheduled row replays its droprates.jsonl
 SHORTCUT_ATTENDOUT = {**LAB_ROW, "task": "lab-shortcut", "attention": "dense", "attn_dropout": "attendout",
                       "gnet_lr": LAB_GNET_LR, "steps": 1000}
-# The grid, in the order a seed runs it (a scheduled row after the row it replays). reach: the three topologies
-# without a global token (the needle's only paths are the window and, under HST, the representatives), and sparse
-# with [CLS] global; bottleneck: the usual global token, sparse against hst; boundary: block-sparse trained on one
-# topology, scored under every shift, with one view and with SAR's two views split into their parts (the second
-# view's CE, the consistency term); shortcut: dense attention under each attention-dropout method.
+# The rows, in the order a seed runs them (a scheduled row after the row it replays). reach: the three
+# topologies without a global token (the needle's only paths are the window and, under HST, the
+# representatives), and sparse with [CLS] global; bottleneck: the usual global token, sparse against hst;
+# boundary: block-sparse trained on one topology, scored under every shift, with one view and with SAR's two
+# views split into their parts (the second view's CE, the consistency term); shortcut: dense attention under
+# each attention-dropout method, AttendOut with the G-Nets at LAB_GNET_LR and at DEMO_GNET_LR (no --gnet-lr).
 LAB_ROWS = [{**LAB_ROW, **row} for row in [
     dict(task="lab-reach", attention="dense"),
     dict(task="lab-reach", attention="hst"),
@@ -726,10 +848,126 @@ LAB_ROWS = [{**LAB_ROW, **row} for row in [
 # Seeds per task when --seeds is not given: 3, and 5 for the shortcut (its targets count seeds).
 LAB_SEEDS = {task: [0, 1, 2] for task in data.LAB}
 LAB_SEEDS["lab-shortcut"] = [0, 1, 2, 3, 4]
+
+
+def lab_flags(row, folder, out_dir, seed):
+    """train.py's flags for one run of a row (--out and --threads are run_train's, --extra's flags too)."""
+    flags = ["--task", row["task"], "--data", folder, *LAB_COMMON, "--max-steps", str(row["steps"]),
+             "--attention", row["attention"], "--num-global", str(row["num_global"]),
+             "--views", str(row["views"]), "--sar", str(row["sar"]), "--attn-dropout", row["attn_dropout"]]
+    if row["views"] == 2:                                # one view: no second view for --ce to leave out
+        flags += ["--ce", row["ce"]]
+    if row["gnet_lr"] is not None:
+        flags += ["--gnet-lr", str(row["gnet_lr"])]
+    if row.get("schedule"):                              # the replayed run's rates, same seed
+        flags += ["--schedule", os.path.join(out_dir, f"{row['schedule']}-s{seed}", "droprates.jsonl")]
+    if row["task"] == "lab-boundary":
+        flags += ["--eval-shift", "all"]
+    return flags + ["--seed", str(seed)]
+
+
+def lab(a):
+    """The lab's grid (LAB_ROWS of --tasks; --quick: the reach rows at the first seed), seed-major and
+    resumable, into --out: a run folder each, lab.json ({"runs": [...]}, accuracies in percent), lab.md (the
+    tables) and, with --base, base.md."""
+    rows = lab_rows(a)
+    seeds = {task: a.seeds or LAB_SEEDS[task] for task in a.tasks}
+    if a.quick:
+        seeds = {task: seeds[task][:1] for task in seeds}
+    runs = []
+    for s in sorted(set(sum(seeds.values(), []))):
+        for row in rows:
+            if s not in seeds[row["task"]]:
+                continue
+            out = os.path.join(a.out, f"{lab_name(row)}-s{s}")
+            final = run_train(lab_flags(row, lab_data(row["task"]), a.out, s), out, a)
+            if final is not None:
+                runs.append(lab_record(lab_name(row), s, final, out))
+    if a.plan is not None:                               # the planning pass: nothing ran yet
+        return
+    with open(os.path.join(a.out, "lab.json"), "w") as f:
+        json.dump({"runs": runs}, f, indent=1)
+    text = lab_table(runs) + "\n\n" + lab_note(a) + "\n"
+    with open(os.path.join(a.out, "lab.md"), "w") as f:
+        f.write(text)
+    print("\n" + text)
+    if a.base:
+        text = against_base(runs, read_lab_runs(a.base), a.base)
+        with open(os.path.join(a.out, "base.md"), "w") as f:
+            f.write(text)
+        print("\n" + text)
+
+
+def lab_rows(a):
+    """The rows to run: those of --tasks, or with --variants the rows so named (lab_name: the run folder
+    without its seed, as --dry-run and lab.md show it). A scheduled row brings the row whose rates it replays."""
+    rows = {lab_name(row): row for row in LAB_ROWS if row["task"] in a.tasks}
+    picked = chosen(a, rows, baseline=False)            # one error line for a name that is no row
+    for name in list(picked):
+        source = rows[name].get("schedule")
+        if source and source not in picked:
+            print(f"{name} replays the rates of {source}: running {source} too", flush=True)
+            picked.insert(picked.index(name), source)
+    return [rows[name] for name in picked]
+
+
+def lab_note(a):
+    """lab.md's last line: the command, its time, and what every run shares."""
+    return (f"Command: `python research/experiments.py {command_line(a)}` ({time.time() - a.t0:.0f}s here "
+            f"at --jobs {a.jobs}, runs already done skipped). Every run: `python train.py` with "
+            f"{' '.join(merge_flags(LAB_COMMON, a.extra))}, and its row's task, attention, --num-global, "
+            f"--views, --ce, --sar, --attn-dropout, --gnet-lr and --max-steps (steps column); lab-boundary "
+            f"adds --eval-shift all; data: data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.")
+
+
+def lab_record(name, seed, final, folder):
+    """One run's line of lab.json, accuracies in percent, from the run's own final.json (what ran, not the row
+    it started from): its row's name (for pairing), "changed" (run_train's: the flags --extra changed), its
+    settings as recorded (config and args), the dev accuracy, the scores under shifted topologies (mean,
+    worst, by shift; drop = dev - mean), the receptive field's bound (block-sparse without global tokens or
+    random blocks) and, for an AttendOut run on lab-shortcut, what the G-Nets masked (shortcut_masking)."""
+    args, cfg = final["args"], final["config"]
+    dev = dev_metrics(final)
+    bound = None
+    if cfg["attention"] == "sparse" and cfg["num_global"] == 0 and cfg["num_random"] == 0:
+        reach = reach_tokens(cfg["num_layers"], cfg["window"], cfg["block_size"])
+        bound = 100 * reach_bound(args["task"], *read_lab_dev(args["data"]), reach)
+    shifted = dev.get("shift")
+    dropout = cfg["attn_dropout"]
+    record = {"row": name, "changed": final.get("changed"), "task": args["task"],
+              "attention": cfg["attention"], "num_global": cfg["num_global"], "sar": args["sar"],
+              "views": args["views"], "ce": args["ce"],
+              "attn_dropout": dropout, "gnet_lr": cfg["gnet_lr"] if dropout == "attendout" else None,
+              "steps": args["max_steps"], "seed": seed, "dev_acc": 100 * dev["acc"],
+              "shifted_mean": 100 * shifted["mean"]["acc"] if shifted else None,
+              "shifted_worst": 100 * shifted["worst"]["acc"] if shifted else None,
+              "shifted_by": {s: 100 * m["acc"] for s, m in shifted["by"].items()} if shifted else None,
+              "drop": 100 * (dev["acc"] - shifted["mean"]["acc"]) if shifted else None,
+              "bound": bound, "wall_time_s": final["wall_time_s"]}
+    if args["task"] == "lab-shortcut" and dropout == "attendout":
+        record["shortcut_masking"] = shortcut_masking(folder)
+    return record
+
+
 LAB_SHORTCUT_TOKEN = 1          # lab-shortcut's first letter, after [CLS] (data.lab_shortcut)
 
-# The contrasts the targets name: (task, what, baseline row, its field, row, its field), each the paired difference
-# row - baseline over the seeds both ran. "drop" is a boundary run's dev accuracy minus its mean over the shifts.
+
+def shortcut_masking(folder):
+    """What an AttendOut run's G-Nets masked: from droprates.jsonl's "masked_by_key" (the share of a step's
+    masked pairs whose key is at each position, per layer), the share on the shortcut token
+    (LAB_SHORTCUT_TOKEN) at each logged step. {"step_frac": [f, ...], "share": [[layer 1, layer 2, ..],
+    ...]}; None if the log has no such field."""
+    lines = [r for r in read_jsonl(os.path.join(folder, "droprates.jsonl")) if "masked_by_key" in r]
+    if not lines:
+        return None
+    return {"step_frac": [r["step_frac"] for r in lines],
+            "share": [[layer[LAB_SHORTCUT_TOKEN] if layer else 0.0 for layer in r["masked_by_key"]]
+                      for r in lines]}
+
+
+# The contrasts lab.md pairs: (task, what, baseline row, its field, row, its field), each the paired
+# difference row - baseline over the seeds both ran. "drop" is a boundary run's dev accuracy minus its mean
+# over the shifts.
 BOUNDARY = "boundary-sparse-g0"
 LAB_CONTRASTS = [
     ("reach", "hst - sparse (no global token)", "reach-sparse-g0", "dev_acc", "reach-hst-g0", "dev_acc"),
@@ -745,159 +983,15 @@ LAB_CONTRASTS = [
     ("boundary", "drop: SAR as the lab ran it before (CE on both, alpha 1) - one view",
      BOUNDARY, "drop", f"{BOUNDARY}-views2-ceall-sar1", "drop"),
     ("shortcut", "attendout - none", "shortcut-dense-g0", "dev_acc", lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
-    ("shortcut", "attendout - standard", "shortcut-dense-g0-standard", "dev_acc", lab_name(SHORTCUT_ATTENDOUT),
-     "dev_acc"),
-    ("shortcut", "attendout - scheduled (its own rates, random pairs)", "shortcut-dense-g0-scheduled", "dev_acc",
+    ("shortcut", "attendout - standard", "shortcut-dense-g0-standard", "dev_acc",
      lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
-    ("shortcut", "attendout, G-Nets at the backbone's rate (default) - none", "shortcut-dense-g0", "dev_acc",
-     "shortcut-dense-g0-attendout", "dev_acc"),
-    ("shortcut", f"attendout, G-Nets at {LAB_GNET_LR:g} - at the default", "shortcut-dense-g0-attendout",
+    ("shortcut", "attendout - scheduled (its own rates, random pairs)", "shortcut-dense-g0-scheduled",
+     "dev_acc", lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
+    ("shortcut", f"attendout, G-Nets at train.py's default {DEMO_GNET_LR:g} (no --gnet-lr) - none",
+     "shortcut-dense-g0", "dev_acc", "shortcut-dense-g0-attendout", "dev_acc"),
+    ("shortcut", f"attendout, G-Nets at {LAB_GNET_LR:g} - at {DEMO_GNET_LR:g}", "shortcut-dense-g0-attendout",
      "dev_acc", lab_name(SHORTCUT_ATTENDOUT), "dev_acc"),
 ]
-
-
-def lab_data(task):
-    """data/TASK: the task's train.tsv and dev.tsv (data.write_lab), generated when missing or made from other
-    numbers than data.LAB's (its spec.json)."""
-    folder = os.path.join("data", task)
-    spec = {"task": task, **data.LAB[task], **data.LAB_SIZES}
-    try:
-        with open(os.path.join(folder, "spec.json")) as f:
-            same = json.load(f) == spec
-    except OSError:
-        same = False
-    if not same:
-        print(f"generating {folder}: data.write_lab({task!r})", flush=True)
-        data.write_lab(task, folder)
-    return folder
-
-
-def reach_tokens(layers, window, block):
-    """How far [CLS] (token 0) sees through block-sparse attention without global tokens or random blocks: a layer
-    moves information w blocks, so after L layers [CLS] holds tokens 0 .. (w L + 1) b - 1 (blocks 0 .. w L; the
-    2 w L + 1 blocks around a token, cut at the sequence's start)."""
-    return (window * layers + 1) * block
-
-
-def reach_bound(task, texts, labels, reach):
-    """The dev accuracy a receptive field of `reach` tokens allows: every example whose evidence (data.lab_evidence)
-    lies within it right, the others at the best constant guess among them (their commonest label). A task where no
-    single token decides (bottleneck, shortcut) has no such bound: an error that says so."""
-    kind, spec = data.lab_kind(task)
-    if kind.evidence is None:
-        raise data.DataError(f"reach_bound: {task} has no receptive-field bound (no single token decides a "
-                             f"{spec['kind']} text)")
-    far = [y for t, y in zip(texts, labels) if data.lab_evidence(task, t) >= reach]
-    best_guess = max(collections.Counter(far).values(), default=0)
-    return (len(labels) - len(far) + best_guess) / len(labels)
-
-
-def read_lab_dev(folder):
-    """(texts, labels) of a lab task's dev.tsv."""
-    records, _ = data.read_generic(os.path.join(folder, "dev.tsv"), data.SOURCE_TARGET)
-    return [r[1] for r in records], [int(r[3]) for r in records]
-
-
-def lab_flags(row, folder, out_dir, seed):
-    """train.py's flags for one run of a row (--out and --threads are run_train's)."""
-    flags = ["--task", row["task"], "--data", folder, *LAB_COMMON, "--max-steps", str(row["steps"]),
-             "--attention", row["attention"], "--num-global", str(row["num_global"]), "--views", str(row["views"]),
-             "--sar", str(row["sar"]), "--attn-dropout", row["attn_dropout"]]
-    if row["views"] == 2:                                # one view: no second view for --ce to leave out
-        flags += ["--ce", row["ce"]]
-    if row["gnet_lr"] is not None:
-        flags += ["--gnet-lr", str(row["gnet_lr"])]
-    if row.get("schedule"):                              # the replayed run's rates, same seed
-        flags += ["--schedule", os.path.join(out_dir, f"{row['schedule']}-s{seed}", "droprates.jsonl")]
-    if row["task"] == "lab-boundary":
-        flags += ["--eval-shift", "all"]
-    return flags + ["--seed", str(seed)]
-
-
-def shortcut_masking(folder):
-    """What an AttendOut run's G-Nets masked: from droprates.jsonl's "masked_by_key" (the share of a step's masked
-    pairs whose key is at each position, per layer), the share on the shortcut token (LAB_SHORTCUT_TOKEN) at each
-    logged step. {"step_frac": [f, ...], "share": [[layer 1, layer 2, ..], ...]}; None if the log has no such
-    field."""
-    lines = [r for r in read_jsonl(os.path.join(folder, "droprates.jsonl")) if "masked_by_key" in r]
-    if not lines:
-        return None
-    return {"step_frac": [r["step_frac"] for r in lines],
-            "share": [[layer[LAB_SHORTCUT_TOKEN] if layer else 0.0 for layer in r["masked_by_key"]] for r in lines]}
-
-
-def lab_record(row, seed, final, folder):
-    """One run's line of lab.json, accuracies in percent: the row's settings, the dev accuracy, the scores under
-    shifted topologies (mean, worst, by shift; drop = dev - mean), the receptive field's bound (block-sparse without
-    a global token) and, for lab-shortcut's AttendOut runs, what the G-Nets masked (shortcut_masking)."""
-    dev = dev_metrics(final)
-    bound = None
-    if row["attention"] == "sparse" and row["num_global"] == 0:      # the receptive field decides what it can know
-        cfg = final["config"]
-        reach = reach_tokens(cfg["num_layers"], cfg["window"], cfg["block_size"])
-        bound = 100 * reach_bound(row["task"], *read_lab_dev(lab_data(row["task"])), reach)
-    shifted = dev.get("shift")
-    record = {"row": lab_name(row), "task": row["task"], "attention": row["attention"],
-              "num_global": row["num_global"], "sar": row["sar"], "views": row["views"], "ce": row["ce"],
-              "attn_dropout": row["attn_dropout"], "gnet_lr": row["gnet_lr"], "steps": row["steps"], "seed": seed,
-              "dev_acc": 100 * dev["acc"],
-              "shifted_mean": 100 * shifted["mean"]["acc"] if shifted else None,
-              "shifted_worst": 100 * shifted["worst"]["acc"] if shifted else None,
-              "shifted_by": {s: 100 * m["acc"] for s, m in shifted["by"].items()} if shifted else None,
-              "drop": 100 * (dev["acc"] - shifted["mean"]["acc"]) if shifted else None,
-              "bound": bound, "wall_time_s": final["wall_time_s"]}
-    if row["task"] == "lab-shortcut" and row["attn_dropout"] == "attendout":
-        record["shortcut_masking"] = shortcut_masking(folder)
-    return record
-
-
-def lab(a):
-    """The lab's grid (LAB_ROWS of --tasks; --quick: the reach rows at the first seed), seed-major and resumable,
-    into --out: a run folder each, lab.json ({"runs": [...]}, accuracies in percent) and lab.md (the tables)."""
-    rows = lab_rows(a)
-    seeds = {task: a.seeds or LAB_SEEDS[task] for task in a.tasks}
-    if a.quick:
-        seeds = {task: seeds[task][:1] for task in seeds}
-    runs = []
-    for s in sorted(set(sum(seeds.values(), []))):
-        for row in rows:
-            if s not in seeds[row["task"]]:
-                continue
-            folder = lab_data(row["task"])
-            out = os.path.join(a.out, f"{lab_name(row)}-s{s}")
-            final = run_train(lab_flags(row, folder, a.out, s) + a.extra, out, a)
-            if final is not None:
-                runs.append(lab_record(row, s, final, out))
-    if a.plan is not None:                               # main's planning pass: nothing ran yet
-        return
-    with open(os.path.join(a.out, "lab.json"), "w") as f:
-        json.dump({"runs": runs}, f, indent=1)
-    text = lab_table(runs) + f"\n\nCommand: `python research/experiments.py {command_line(a)}` " \
-        f"({time.time() - a.t0:.0f}s here at --jobs {a.jobs}, runs already done skipped). Every run: `python train.py` with " \
-        f"{' '.join(LAB_COMMON + a.extra)}, and its row's task, attention, --num-global, --views, --ce, --sar, " \
-        f"--attn-dropout, --gnet-lr and --max-steps (steps column); lab-boundary adds --eval-shift all; data: " \
-        f"data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.\n"
-    with open(os.path.join(a.out, "lab.md"), "w") as f:
-        f.write(text)
-    print("\n" + text)
-    if a.base:
-        text = against_base(runs, read_lab_runs(a.base), a.base)
-        with open(os.path.join(a.out, "base.md"), "w") as f:
-            f.write(text)
-        print("\n" + text)
-
-
-def lab_rows(a):
-    """The rows to run: those of --tasks, or with --variants the rows so named (lab_name: the run folder without
-    its seed, as --dry-run and lab.md show it). A scheduled row brings the row whose rates it replays."""
-    rows = {lab_name(row): row for row in LAB_ROWS if row["task"] in a.tasks}
-    picked = chosen(a, rows, baseline=False)            # one error line for a name that is no row
-    for name in list(picked):
-        source = rows[name].get("schedule")
-        if source and source not in picked:
-            print(f"{name} replays the rates of {source}: running {source} too", flush=True)
-            picked.insert(picked.index(name), source)
-    return [rows[name] for name in picked]
 
 
 def runs_by_row(runs):
@@ -908,16 +1002,119 @@ def runs_by_row(runs):
     return by_row
 
 
+def paired_seeds(base, base_key, other, key):
+    """The seeds at which two rows' runs ({seed: run}) both know their field, in base's order."""
+    return [s for s in base if s in other and base[s][base_key] is not None and other[s][key] is not None]
+
+
 def paired(base, base_key, other, key):
-    """Two rows' runs ({seed: run}) paired by seed: base's `base_key` and other's `key` (percent -> fractions) at
-    the seeds where both are known, in one order. Every paired difference of the lab reads its values here."""
-    seeds = [s for s in base if s in other and base[s][base_key] is not None and other[s][key] is not None]
+    """Two rows' runs ({seed: run}) paired by seed: base's `base_key` and other's `key` (percent -> fractions)
+    at paired_seeds. Every paired difference of the lab reads its values here."""
+    seeds = paired_seeds(base, base_key, other, key)
     return [base[s][base_key] / 100 for s in seeds], [other[s][key] / 100 for s in seeds]
 
 
+def lab_pair(base, base_key, other, key):
+    """A pair's cell: the paired difference (fmt_diff) and, where the two rows measure the same field, the
+    words of cannot_tell when both sit at one limit (lab_limits) on every seed; None with no seed in common."""
+    seeds = paired_seeds(base, base_key, other, key)
+    if not seeds:
+        return None
+    xs, ys = [base[s][base_key] for s in seeds], [other[s][key] for s in seeds]
+    cell = fmt_diff([x / 100 for x in xs], [y / 100 for y in ys])
+    if base_key == key:
+        limits = lab_limits(key, [base[s] for s in seeds], [other[s] for s in seeds])
+        words = cannot_tell(xs, ys, limits)
+        cell += f"; {words}" if words else ""
+    return cell
+
+
+def lab_limits(key, base_runs, runs):
+    """[(value per seed, its name)]: where a lab row's field sits whatever the method does. Dev accuracy: 100
+    (the ceiling), the receptive field's bound (both rows' the same at a seed), the floors of the task
+    (lab_floors); the drop under shift: 0 (nothing lost)."""
+    n = len(runs)
+    if key == "drop":
+        return [([0.0] * n, "no drop under any shift")]
+    bounds = [x.get("bound") if x.get("bound") == y.get("bound") else None for x, y in zip(base_runs, runs)]
+    floors = [([value] * n, name) for value, name in lab_floors(runs[0]["task"])]
+    return [([100.0] * n, "the ceiling"), (bounds, "its bound"), *floors]
+
+
+def cannot_tell(xs, ys, limits):
+    """The words for a pair that cannot tell its two rows apart, or "": both at one of `limits` ([(value per
+    seed, its name)]) on every seed, equal at the tables' precision (0.1 point). xs, ys in percent, per seed.
+    E.g. "cannot tell them apart: both at 63.8, its bound"."""
+    same = lambda u, v: round(u, 1) == round(v, 1)
+    for values, name in limits:
+        if all(v is not None and same(x, v) and same(y, v) for x, y, v in zip(xs, ys, values)):
+            return f"cannot tell them apart: both at {values[0]:.1f}, {name}"
+    return ""
+
+
+def lab_table(runs):
+    """lab.md: a row per LAB_ROWS row that ran (per-seed accuracies, mean +- std, the scores under shifts
+    with the drop's 95% interval, the bound, time per run); the contrasts (LAB_CONTRASTS) paired by seed with
+    95% t-intervals; the boundary rows' accuracy by shift; what lab-shortcut's G-Nets masked. A run that
+    --extra changed says so beside its task ("ran with ...")."""
+    by_row = runs_by_row(runs)
+    col = lambda name, key: [run[key] / 100 for run in by_row[name].values() if run[key] is not None]
+    show = lambda xs: fmt(xs) if xs else "-"
+    lines = ["| task | attention | global tokens | views | CE on | SAR alpha | attention dropout | G-Net lr "
+             "| steps | dev acc per seed (%) | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
+             "| drop: dev - shifted mean, 95% CI (points) | bound of the receptive field (%) "
+             "| time per run (s) |", "|---" * 16 + "|"]
+    for name, by_seed in by_row.items():
+        r = next(iter(by_seed.values()))
+        per_seed = " / ".join(f"{x * 100:.1f}" for x in col(name, "dev_acc"))
+        drop = col(name, "drop")
+        ce = "-" if r["views"] == 1 else {"all": "both", "original": "original"}[r["ce"]]   # one view: its CE
+        gnet_lr = "-" if r["gnet_lr"] is None else format(r["gnet_lr"], "g")
+        lines.append(f"| {ran_as(r['task'], by_seed.values())} | {r['attention']} | {r['num_global']} "
+                     f"| {r['views']} | {ce} | {r['sar']:g} | {r['attn_dropout']} | {gnet_lr} "
+                     f"| {r['steps']} | {per_seed} | {show(col(name, 'dev_acc'))} "
+                     f"| {show(col(name, 'shifted_mean'))} | {show(col(name, 'shifted_worst'))} "
+                     f"| {fmt_diff([0.0] * len(drop), drop) if drop else '-'} | {show(col(name, 'bound'))} "
+                     f"| {statistics.mean(x['wall_time_s'] for x in by_seed.values()):.0f} |")
+    contrasts = []
+    for task, what, base, base_key, name, key in LAB_CONTRASTS:
+        cell = lab_pair(by_row.get(base, {}), base_key, by_row.get(name, {}), key)
+        if cell:
+            both = [*by_row[base].values(), *by_row[name].values()]
+            contrasts.append(f"| {task} | {ran_as(what, both)} | {cell} |")
+    if contrasts:
+        lines += ["", "| task | contrast | paired difference, 95% CI (points) |", "|---|---|---|",
+                  *contrasts]
+    shifted = [name for name in by_row if next(iter(by_row[name].values()))["shifted_by"]]
+    if shifted:
+        shifts = list(next(iter(by_row[shifted[0]].values()))["shifted_by"])
+        lines += ["", "| row | dev acc under shift s = " + " / ".join(shifts) + " (%, mean over seeds) |",
+                  "|---|---|"]
+        for name in shifted:
+            by = [statistics.mean(r["shifted_by"][s] for r in by_row[name].values()) for s in shifts]
+            lines.append(f"| {ran_as(name, by_row[name].values())} | {' / '.join(f'{x:.1f}' for x in by)} |")
+    masked = [r for r in runs if r.get("shortcut_masking")]
+    if masked:
+        points = (0.1, 0.25, 0.5, 1.0)
+        length = data.LAB["lab-shortcut"]["length"]    # every token real: a token's share of all pairs is 1/L
+        lines += ["", "| row | seed | dev acc (%) | layer | masked pairs on the shortcut token, over its share "
+                  f"of all pairs (1/{length}), at 10% / 25% / 50% / 100% of training | mean over training |",
+                  "|---" * 6 + "|"]
+        for r in masked:
+            m = r["shortcut_masking"]
+            at = [next(i for i, f in enumerate(m["step_frac"]) if f >= p - 1e-9) for p in points]
+            for layer in range(len(m["share"][0])):
+                ratios = [length * m["share"][i][layer] for i in at]
+                mean = length * statistics.mean(share[layer] for share in m["share"])
+                lines.append(f"| {ran_as(r['row'], [r])} | {r['seed']} | {r['dev_acc']:.1f} | {layer + 1} "
+                             f"| {' / '.join(f'{x:.2f}' for x in ratios)} | {mean:.2f} |")
+    return "\n".join(lines)
+
+
 def read_lab_runs(path):
-    """The runs of a lab's lab.json: `path` is the lab's --out folder or the file itself. A missing file, one that
-    is not JSON, or JSON without lab.json's runs (a final.json, another table's raw numbers) is one error line."""
+    """The runs of a lab's lab.json: `path` is the lab's --out folder or the file itself. A missing file, one
+    that is not JSON, or JSON without lab.json's runs (a final.json, another table's raw numbers) is one error
+    line."""
     file = os.path.join(path, "lab.json") if os.path.isdir(path) else path
     expects = "a lab's --out folder, or its lab.json such as docs/results/results_lab.json"
     if not os.path.isfile(file):
@@ -937,75 +1134,83 @@ def read_lab_runs(path):
 
 def against_base(runs, base_runs, base_name):
     """base.md: for every row this lab and --base both ran, this lab's dev accuracy (and, where scored under
-    shifts, its drop) against the base's, paired by seed over the seeds both ran, with a 95% t-interval."""
+    shifts, its drop) against the base's, paired by seed over the seeds both ran, with a 95% t-interval and
+    cannot_tell's words where both sit at one limit. A row --extra changed says so ("ran with ...")."""
     mine, base = runs_by_row(runs), runs_by_row(base_runs)
     lines = [f"| row | measure | seeds both ran | --base {base_name} (%) | this lab (%) "
              "| paired difference, this - base, 95% CI (points) |", "|---" * 6 + "|"]
     for name in mine:
         for key in ("dev_acc", "drop"):
             xs, ys = paired(base.get(name, {}), key, mine[name], key)
-            seeds = [s for s in mine[name] if s in base.get(name, {})]
+            seeds = paired_seeds(base.get(name, {}), key, mine[name], key)
             if xs:
-                lines.append(f"| {name} | {key} | {' '.join(map(str, seeds))} | {fmt(xs)} | {fmt(ys)} "
-                             f"| {fmt_diff(xs, ys)} |")
+                cell = lab_pair(base[name], key, mine[name], key)
+                lines.append(f"| {ran_as(name, mine[name].values())} | {key} | {' '.join(map(str, seeds))} "
+                             f"| {fmt(xs)} | {fmt(ys)} | {cell} |")
     if len(lines) == 2:
         return f"No row of this lab is in --base {base_name} at a seed both ran: nothing to pair."
     return "\n".join(lines)
 
 
-def lab_table(runs):
-    """lab.md: a row per LAB_ROWS row that ran (per-seed accuracies, mean +- std, the scores under shifts with the
-    drop's 95% interval, the bound, time per run); the contrasts (LAB_CONTRASTS) paired by seed with 95%
-    t-intervals; the boundary rows' accuracy by shift; what lab-shortcut's G-Nets masked."""
-    by_row = runs_by_row(runs)
-    col = lambda name, key: [run[key] / 100 for run in by_row[name].values() if run[key] is not None]
-    show = lambda xs: fmt(xs) if xs else "-"
-    lines = ["| task | attention | global tokens | views | CE on | SAR alpha | attention dropout | G-Net lr | steps "
-             "| dev acc per seed (%) | dev acc (%) | shifted, mean over s (%) | shifted, worst s (%) "
-             "| drop: dev - shifted mean, 95% CI (points) | bound of the receptive field (%) | time per run (s) |",
-             "|---" * 16 + "|"]
-    for name, by_seed in by_row.items():
-        r = next(iter(by_seed.values()))
-        per_seed = " / ".join(f"{x * 100:.1f}" for x in col(name, "dev_acc"))
-        drop = col(name, "drop")
-        lines.append(f"| {r['task']} | {r['attention']} | {r['num_global']} | {r['views']} "
-                     f"| {'both' if r['ce'] == 'all' else 'original'} | {r['sar']:g} | {r['attn_dropout']} "
-                     f"| {'-' if r['gnet_lr'] is None else format(r['gnet_lr'], 'g')} | {r['steps']} | {per_seed} "
-                     f"| {show(col(name, 'dev_acc'))} | {show(col(name, 'shifted_mean'))} "
-                     f"| {show(col(name, 'shifted_worst'))} | {fmt_diff([0.0] * len(drop), drop) if drop else '-'} "
-                     f"| {show(col(name, 'bound'))} "
-                     f"| {statistics.mean(x['wall_time_s'] for x in by_seed.values()):.0f} |")
-    contrasts = []
-    for task, what, base, base_key, name, key in LAB_CONTRASTS:
-        xs, ys = paired(by_row.get(base, {}), base_key, by_row.get(name, {}), key)
-        if xs:
-            contrasts.append(f"| {task} | {what} | {fmt_diff(xs, ys)} |")
-    if contrasts:
-        lines += ["", "| task | contrast | paired difference, 95% CI (points) |", "|---|---|---|", *contrasts]
-    shifted = [name for name in by_row if next(iter(by_row[name].values()))["shifted_by"]]
-    if shifted:
-        shifts = list(next(iter(by_row[shifted[0]].values()))["shifted_by"])
-        lines += ["", "| row | dev acc under shift s = " + " / ".join(shifts) + " (%, mean over seeds) |",
-                  "|---|---|"]
-        for name in shifted:
-            by = [statistics.mean(r["shifted_by"][s] for r in by_row[name].values()) for s in shifts]
-            lines.append(f"| {name} | {' / '.join(f'{x:.1f}' for x in by)} |")
-    masked = [r for r in runs if r.get("shortcut_masking")]
-    if masked:
-        points = (0.1, 0.25, 0.5, 1.0)
-        length = data.LAB["lab-shortcut"]["length"]        # every token real: a token's share of all pairs is 1/L
-        lines += ["", "| row | seed | dev acc (%) | layer | masked pairs on the shortcut token, over its share of "
-                  f"all pairs (1/{length}), at 10% / 25% / 50% / 100% of training | mean over training |",
-                  "|---" * 6 + "|"]
-        for r in masked:
-            m = r["shortcut_masking"]
-            at = [next(i for i, f in enumerate(m["step_frac"]) if f >= p - 1e-9) for p in points]
-            for layer in range(len(m["share"][0])):
-                ratios = [length * m["share"][i][layer] for i in at]
-                mean = length * statistics.mean(share[layer] for share in m["share"])
-                lines.append(f"| {r['row']} | {r['seed']} | {r['dev_acc']:.1f} | {layer + 1} "
-                             f"| {' / '.join(f'{x:.2f}' for x in ratios)} | {mean:.2f} |")
-    return "\n".join(lines)
+# The tasks' numbers: their data, the receptive field's bound, the floors
+
+def lab_data(task):
+    """data/TASK: the task's train.tsv and dev.tsv (data.write_lab), generated when missing or made from other
+    numbers than data.LAB's (its spec.json)."""
+    folder = os.path.join("data", task)
+    spec = {"task": task, **data.LAB[task], **data.LAB_SIZES}
+    try:
+        with open(os.path.join(folder, "spec.json")) as f:
+            same = json.load(f) == spec
+    except OSError:
+        same = False
+    if not same:
+        print(f"generating {folder}: data.write_lab({task!r})", flush=True)
+        data.write_lab(task, folder)
+    return folder
+
+
+def read_lab_dev(folder):
+    """(texts, labels) of a lab task's dev.tsv."""
+    records, _ = data.read_generic(os.path.join(folder, "dev.tsv"), data.SOURCE_TARGET)
+    return [r[1] for r in records], [int(r[3]) for r in records]
+
+
+def reach_tokens(layers, window, block):
+    """How far [CLS] (token 0) sees through block-sparse attention without global tokens or random blocks: a
+    layer moves information w blocks, so after L layers [CLS] holds tokens 0 .. (w L + 1) b - 1 (blocks 0 ..
+    w L; the 2 w L + 1 blocks around a token, cut at the sequence's start)."""
+    return (window * layers + 1) * block
+
+
+def reach_bound(task, texts, labels, reach):
+    """The dev accuracy a receptive field of `reach` tokens allows: every example whose evidence
+    (data.lab_evidence) lies within it right, the others at the best constant guess among them (their
+    commonest label). A task where no single token decides (bottleneck, shortcut) has no such bound: an error
+    that says so."""
+    kind, spec = data.lab_kind(task)
+    if kind.evidence is None:
+        raise data.DataError(f"reach_bound: {task} has no receptive-field bound (no single token decides a "
+                             f"{spec['kind']} text)")
+    far = [y for t, y in zip(texts, labels) if data.lab_evidence(task, t) >= reach]
+    best_guess = max(collections.Counter(far).values(), default=0)
+    return (len(labels) - len(far) + best_guess) / len(labels)
+
+
+@functools.lru_cache(maxsize=None)
+def lab_floors(task):
+    """[(dev accuracy in percent, its name)] that a row reaches without reading what decides the label, on the
+    task's dev set (lab_data): its commonest label ("the majority class") and, on a shortcut task, reading
+    token 1 alone, X as 0 and Y as 1 ("reading only the shortcut": on dev token 1 is drawn at random). A task
+    no longer in data.LAB: none."""
+    if task not in data.LAB:
+        return []
+    texts, labels = read_lab_dev(lab_data(task))
+    floors = [(100 * max(collections.Counter(labels).values()) / len(labels), "the majority class")]
+    if data.LAB[task]["kind"] == "shortcut":
+        hits = [data.LAB_NEEDLES.index(t[0]) == y for t, y in zip(texts, labels)]
+        floors.append((100 * statistics.mean(hits), "reading only the shortcut"))
+    return floors
 
 
 # -----------------------------------------------------------------------------
@@ -1045,7 +1250,7 @@ def gnet_lr(a):
     table += ["| data | row | dev acc (%) | per seed | paired diff to standard, 95% CI (points) |", "|---|---|---|---|---|"]
     for (ds, setting, name), fs in finals.items():
         acc = raw[ds][name] = [dev_acc(f) for f in fs]
-        table.append(f"| {ds} | {name} | {fmt(acc)} | {' / '.join(f'{x * 100:.1f}' for x in acc)} "
+        table.append(f"| {ds} | {ran_as(name, fs)} | {fmt(acc)} | {' / '.join(f'{x * 100:.1f}' for x in acc)} "
                      f"| {fmt_diff(raw[ds]['standard'], acc)} |")
     table += ["", "| data | contrast | paired diff, 95% CI (points) |", "|---|---|---|"]
     for ds, r in raw.items():
@@ -1092,7 +1297,7 @@ def sar_ce(a):
     for s in a.seeds:
         for name in chosen(a, SAR_CE_ROWS):
             out = os.path.join(a.out, f"demo-{name}-s{s}")
-            finals[name].append(run_train([*SAR_CE_ROWS[name], *a.extra, "--seed", str(s)], out, a))
+            finals[name].append(run_train([*SAR_CE_ROWS[name], "--seed", str(s)], out, a))
     if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     accs = {name: [dev_acc(f) for f in fs] for name, fs in finals.items()}
@@ -1101,7 +1306,7 @@ def sar_ce(a):
              "|---|---|---|---|"]
     for name, xs in accs.items():
         per_seed = " / ".join(f"{100 * x:.1f}" for x in xs)
-        lines.append(f"| {name[3:]} | {per_seed} | {fmt(xs)} | {fmt_diff(base, xs)} |")
+        lines.append(f"| {ran_as(name[3:], finals[name])} | {per_seed} | {fmt(xs)} | {fmt_diff(base, xs)} |")
     write_table(a, "results_sar_ce_demo", lines, f"Seeds {a.seeds}; every run the full demo (`python train.py "
                 "--seed S` with the row's --ce); the last step's dev accuracy.", dict(finals))
 
@@ -1211,7 +1416,8 @@ def shortcut_record(final, folder):
     splits = final["dev_splits"]
     step20 = next((r for r in read_jsonl(os.path.join(folder, "log.jsonl")) if r.get("step") == 20), {})
     rec = {"ce_step20": step20.get("ce", step20.get("loss")),          # one view, no masks: the loss is the CE
-           "masks_died": final.get("masks_died"), "wall_time_s": final["wall_time_s"]}
+           "masks_died": final.get("masks_died"), "wall_time_s": final["wall_time_s"],
+           "changed": final.get("changed")}
     if "dev" in splits:                                  # the clean row
         return {**rec, "whole": 100 * splits["dev"]["acc"], "agree": None, "disagree": None, "reliance": None}
     n = {h: sum(1 for _ in open(final["args"]["dev_file"][i])) for i, h in enumerate(("agree", "disagree"))}
@@ -1262,7 +1468,7 @@ def shortcut_text(a):
                     out = os.path.join(a.out, f"{ds}-p{p:g}-{run_name(name)}-s{s}")
                     ao_out = os.path.join(a.out, f"{ds}-p{p:g}-attendout-s{s}")
                     extra = [x.format(attendout_out=ao_out) for x in SHORTCUT_ROWS[name]]
-                    flags = [*PRE_COMMON, "--init", a.init, *shortcut_flags(a, ds, folder, name), *extra, *a.extra,
+                    flags = [*PRE_COMMON, "--init", a.init, *shortcut_flags(a, ds, folder, name), *extra,
                              "--seed", str(s)]
                     script = "research/oracle_mask.py" if name.startswith("oracle") else "train.py"
                     final = run_train(flags, out, a, script)
@@ -1275,7 +1481,7 @@ def shortcut_text(a):
             f"lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} for label 0, "
             f"{SHORTCUT_WORDS[1]!r} for label 1, first in the sentence; dev: a random word, scored in its agreeing "
             f"and disagreeing halves (shortcut_data, seed {SHORTCUT_SEED}). Paired differences over seeds, 95% "
-            f"t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: {' '.join(PRE_COMMON + a.extra)}")
+            f"t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: {' '.join(merge_flags(PRE_COMMON, a.extra))}")
     raw = {"|".join(key): by_seed for key, by_seed in records.items()}
     parts = "" if a.parts == SHORTCUT_DEFAULT_PARTS else "_" + "_".join(a.parts)   # a partial run: its own table
     write_table(a, "results_shortcut_text" + parts, shortcut_table(records), note, raw)
@@ -1300,7 +1506,8 @@ def shortcut_table(records):
             diff = lambda key: "(baseline)"
         per_seed = " / ".join(f"{r['reliance']:.0f}" for r in by_seed.values()) if known else "-"
         ce = [r["ce_step20"] for r in by_seed.values() if r["ce_step20"] is not None]
-        lines.append(f"| {part} | {SHORTCUT_PARTS[part][0]:g} | {ds} | {name} | {show(by_seed, 'whole')} "
+        lines.append(f"| {part} | {SHORTCUT_PARTS[part][0]:g} | {ds} | {ran_as(name, by_seed.values())} "
+                     f"| {show(by_seed, 'whole')} "
                      f"| {show(by_seed, 'agree')} | {show(by_seed, 'disagree')} | {show(by_seed, 'reliance')} "
                      f"| {per_seed} | {diff('reliance')} | {diff('disagree')} | {diff('whole')} "
                      f"| {statistics.mean(ce) if ce else float('nan'):.3f} "
@@ -1442,15 +1649,16 @@ def main(argv=None):
     if a.base is not None:
         read_lab_runs(a.base)
     a.t0 = time.time()
-    a.plan = None
+    a.plan, a.stale = None, []
     with one_line_errors():
         os.makedirs(a.out, exist_ok=True)
-        # Two passes over a grid: the first collects the unfinished runs' commands (a.plan; --dry-run prints
-        # them), run_all runs them --jobs at a time, the second reads every final.json into the tables.
-        # The probe scores listops-long's runs and starts none.
+        # The two passes of "How a grid works" (the docstring); the probe scores listops-long's runs and
+        # starts none.
         if a.experiment != "listops-long-probe":
             a.plan = []
             EXPERIMENTS[a.experiment](a)
+            if a.stale:
+                fail(stale_error(a.stale))
             if a.dry_run:
                 for cmd, _ in a.plan:
                     print("$ " + shlex.join(cmd), flush=True)

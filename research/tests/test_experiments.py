@@ -124,7 +124,9 @@ def test_listops_long_grid_and_probe_end_to_end(tmp_path, capfd):
     assert len(raw["dense"]["acc_by_shift"][0]) == 2                      # dense: s = 1 alone
     table = open(tables / "results_listops_long.md").read()
     diff = experiments.fmt_diff(raw["hst"]["acc"], raw["dense"]["acc"])
-    assert f"| dense | {experiments.fmt(raw['dense']['acc'])} | {100 * raw['dense']['acc'][0]:.1f} | " in table
+    dense = next(line for line in table.splitlines() if line.startswith("| dense "))     # --extra's flags shown
+    assert dense.startswith("| dense (ran with ") and "--max-steps 3" in dense and "--layers 1" in dense
+    assert f") | {experiments.fmt(raw['dense']['acc'])} | {100 * raw['dense']['acc'][0]:.1f} | " in dense
     assert f"| {diff} | " in table and "(baseline)" in table
     assert "Command: `python research/experiments.py listops-long --out" in table
     experiments.main(argv)                                                   # resumable: nothing runs again
@@ -234,7 +236,7 @@ def test_attendout_grid_pairs_seeds_and_replays_the_same_seed(tiny_init, capfd):
     table = open(tiny_init / "tables" / "results_pretrained_attendout_sst2.md").read()
     contrast = experiments.fmt_diff(raw["scheduled"], raw["attendout"])
     assert f"| sst2-lowres | attendout - scheduled | {contrast} |" in table
-    assert f"| sst2 | lowres | attendout | {experiments.fmt(raw['attendout'])} | " \
+    assert f"| sst2 | lowres | attendout (ran with --lr 0.01 --log-every 1) | {experiments.fmt(raw['attendout'])} | " \
            f"{experiments.fmt_diff(raw['standard'], raw['attendout'])} |" in table and "(baseline)" in table
     final = json.load(open(tiny_init / "tables" / "droprates_pretrained_sst2_final.json"))["sst2-lowres"]
     last = [json.loads(open(out / f"sst2-lowres-attendout-s{s}" / "droprates.jsonl").readlines()[-1])
@@ -257,7 +259,8 @@ def test_sparse_grid_scores_every_shift_of_the_final_weights(tiny_init, capfd):
     assert final["config"]["attention"] == "hst" and final["config"]["block_size"] == 8   # dense init, hst rows
     assert list(dev["shift"]["by"]) == [str(i) for i in range(1, 8)]         # b = 8: s = 1 .. 7
     assert raw["hst"]["acc_by_shift"][0] == [dev["acc"]] + [dev["shift"]["by"][str(i)]["acc"] for i in range(1, 8)]
-    assert "| sst2 | lowres | hst | " in open(tiny_init / "tables" / "results_pretrained_sparse_sst2.md").read()
+    assert raw["hst"]["changed"] == ["--lr 0.01 --log-every 1"]                   # --extra's flags, as run
+    assert "| sst2 | lowres | hst (ran with --lr 0.01 --log-every 1) | " in open(tiny_init / "tables" / "results_pretrained_sparse_sst2.md").read()
     assert not os.path.exists(out / "sst2-lowres-hst-s0" / "ckpt_last.pt")       # checkpoints dropped
 
 

@@ -12,7 +12,9 @@ import torch
 
 import data
 import experiments
+import model
 import sparse
+import train
 
 
 def reached(n, layers, **pattern):
@@ -102,28 +104,45 @@ def test_tasks_picks_rows_through_the_parser(tmp_path, capfd):
     assert len(err) == 1 and err[0].startswith("error: --tasks lab-xor: not a lab task (known: lab-reach, ")
 
 
-def fake_final(acc, shifted=None, config=None):
-    """A final.json as train.py writes it (flat, since issue 34): the dev accuracy, --eval-shift's scores."""
+def recorded(flags):
+    """final.json's "args" and "config" for a run of `flags`, as train.report writes them (no run): every flag
+    in force, a Config flag not given at Config's value (gnet_lr: --lr's where none)."""
+    args = vars(train.parse_args(flags))
+    default = model.Config()
+    config = {n: getattr(default, n) if args[n] is None else args[n] for n in train.CONFIG_FLAGS}
+    config.update(gnet_lr=config["gnet_lr"] or args["lr"], num_layers=args["layers"])
+    return {**{k: v for k, v in args.items() if k != "given"}, **{n: config[n] for n in train.CONFIG_FLAGS}}, \
+        config
+
+
+def fake_final(acc, shifted=None, flags=()):
+    """A final.json as train.py writes it (flat): the dev accuracy, --eval-shift's scores, and the flags and
+    config of a run of `flags` (recorded)."""
     dev = {"acc": acc}
     if shifted:
         by = {str(s): {"acc": x} for s, x in enumerate(shifted, 1)}
         dev["shift"] = {"by": by, "mean": {"acc": sum(shifted) / len(shifted)}, "worst": {"acc": min(shifted)}}
-    return {"acc": acc, "dev_splits": {"dev": dev}, "dev_split": "dev", "wall_time_s": 12.5, "config": config or {}}
+    args, config = recorded(list(flags))
+    return {"acc": acc, "dev_splits": {"dev": dev}, "dev_split": "dev", "wall_time_s": 12.5, "config": config,
+            "args": args}
 
 
-def test_record_fields(tmp_path, monkeypatch):
-    """lab.json's line of a run: the row's settings, the accuracies in percent, the drop under shift, the bound
-    beside block-sparse without a global token, and what the G-Nets masked on the shortcut token."""
+def row_named(name):
+    return next(r for r in experiments.LAB_ROWS if experiments.lab_name(r) == name)
+
+
+def test_record_fields(tmp_path):
+    """lab.json's line of a run, from its final.json: what ran (its recorded flags and config), the
+    accuracies in percent, the drop under shift, the bound beside block-sparse without a global token (from
+    the run's own window), and what the G-Nets masked on the shortcut token."""
     folder = str(tmp_path / "boundary")
     data.write_lab("lab-boundary", folder, n_train=10, n_dev=200)
-    monkeypatch.setattr(experiments, "lab_data", lambda task: folder)
     name = "boundary-sparse-g0-views2-ceoriginal-sar1"
-    row = next(r for r in experiments.LAB_ROWS if experiments.lab_name(r) == name)
-    cfg = {"num_layers": 2, "window": 1, "block_size": 8}
-    record = experiments.lab_record(row, 2, fake_final(1.0, [0.5, 0.75] + [1.0] * 5, cfg), str(tmp_path))
-    assert {"task": "lab-boundary", "attention": "sparse", "num_global": 0, "sar": 1.0, "views": 2,
-            "ce": "original", "attn_dropout": "none", "seed": 2, "dev_acc": 100.0, "shifted_worst": 50.0,
-            "bound": 100.0}.items() <= record.items()
+    flags = experiments.lab_flags(row_named(name), folder, str(tmp_path), 2)
+    record = experiments.lab_record(name, 2, fake_final(1.0, [0.5, 0.75] + [1.0] * 5, flags), str(tmp_path))
+    assert {"row": name, "task": "lab-boundary", "attention": "sparse", "num_global": 0, "sar": 1.0,
+            "views": 2, "ce": "original", "attn_dropout": "none", "gnet_lr": None, "steps": 600, "seed": 2,
+            "dev_acc": 100.0, "shifted_worst": 50.0, "bound": 100.0}.items() <= record.items()
     assert abs(record["shifted_mean"] - 100 * 6.25 / 7) < 1e-9 and abs(record["drop"] - 100 * 0.75 / 7) < 1e-9
     assert record["shifted_by"]["2"] == 75.0
     # the shortcut's AttendOut run: the share of masked pairs on token 1, layer by layer, per logged step
@@ -132,11 +151,38 @@ def test_record_fields(tmp_path, monkeypatch):
     lines = [{"step": 10, "step_frac": 0.5, "masked_by_key": [[0.0, 0.5, 0.5], [0.2, 0.1, 0.7]]},
              {"step": 20, "step_frac": 1.0, "masked_by_key": [[0.1, 0.3, 0.6], []]}]      # [] nothing masked
     (run / "droprates.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    record = experiments.lab_record(experiments.SHORTCUT_ATTENDOUT, 0, fake_final(0.9), str(run))
-    assert {"task": "lab-shortcut", "attention": "dense", "views": 1, "ce": "all", "attn_dropout": "attendout",
+    row = experiments.SHORTCUT_ATTENDOUT
+    final = fake_final(0.9, flags=experiments.lab_flags(row, "data/lab-shortcut", str(tmp_path), 0))
+    record = experiments.lab_record(experiments.lab_name(row), 0, final, str(run))
+    assert {"task": "lab-shortcut", "attention": "dense", "views": 1, "attn_dropout": "attendout",
             "gnet_lr": experiments.LAB_GNET_LR, "dev_acc": 90.0, "shifted_mean": None, "bound": None}.items() \
         <= record.items()
     assert record["shortcut_masking"] == {"step_frac": [0.5, 1.0], "share": [[0.5, 0.1], [0.3, 0.0]]}
+
+
+def test_record_says_what_ran_not_the_row(tmp_path):
+    """A run of a row with --extra keeps the row's name and records what ran: the G-Nets of the row without
+    --gnet-lr train at train.py's default (1e-5, not the backbone's 2e-3); a reach run at --window 2 has the
+    bound of window 2; "changed" names the flags --extra changed, and lab.md shows it."""
+    name = "shortcut-dense-g0-attendout"
+    flags = experiments.lab_flags(row_named(name), "data/lab-shortcut", str(tmp_path), 0)
+    (tmp_path / "droprates.jsonl").write_text("")
+    record = experiments.lab_record(name, 0, fake_final(0.5, flags=flags), str(tmp_path))
+    assert record["gnet_lr"] == 1e-5 == experiments.DEMO_GNET_LR and record["changed"] is None
+    folder = str(tmp_path / "reach")
+    data.write_lab("lab-reach", folder, n_train=10, n_dev=300)
+    row = row_named("reach-sparse-g0")
+    flags = experiments.lab_flags(row, folder, str(tmp_path), 0)
+    final = fake_final(0.7, flags=experiments.merge_flags(flags, ["--window", "2", "--attn-dropout", "standard"]))
+    final["changed"] = experiments.changed_words(experiments.differences(flags, final["args"]))
+    record = experiments.lab_record("reach-sparse-g0", 0, final, folder)
+    assert record["changed"] == "--window 2 --attn-dropout standard"
+    assert record["row"] == "reach-sparse-g0" and record["attn_dropout"] == "standard"
+    texts, labels = experiments.read_lab_dev(folder)
+    assert record["bound"] == 100 * experiments.reach_bound("lab-reach", texts, labels, 5 * 8)   # (w L + 1) b
+    table = experiments.lab_table([record])
+    assert "| lab-reach (ran with --window 2 --attn-dropout standard) | sparse | 0 | 1 | - | 0 | standard | " \
+        in table
 
 
 def synthetic_runs(seeds):
@@ -169,9 +215,9 @@ def test_table_of_a_grid():
     """lab.md from lab.json's runs: nulls where nothing was scored, the bound beside block-sparse without a global
     token, the drop's interval, the targets' contrasts paired by seed, the accuracy by shift, the masking table."""
     table = experiments.lab_table(synthetic_runs([0, 1]))
-    assert "| lab-reach | dense | 0 | 1 | both | 0 | none | - | 600 | 100.0 / 100.0 | 100.0 +- 0.0 | - | - | - | - " \
+    assert "| lab-reach | dense | 0 | 1 | - | 0 | none | - | 600 | 100.0 / 100.0 | 100.0 +- 0.0 | - | - | - | - " \
            "| 30 |" in table
-    assert "| lab-reach | sparse | 0 | 1 | both | 0 | none | - | 600 | 60.0 / 64.0 | 62.0 +- 2.8 | - | - | - " \
+    assert "| lab-reach | sparse | 0 | 1 | - | 0 | none | - | 600 | 60.0 / 64.0 | 62.0 +- 2.8 | - | - | - " \
            "| 62.0 +- 0.0 | 30 |" in table
     assert "| lab-boundary | sparse | 0 | 2 | original | 0 | none | - | 600 | 100.0 / 100.0 | 100.0 +- 0.0 " \
            "| 60.0 +- 0.0 | 59.0 +- 0.0 | +40.0 [+40.0, +40.0] | - | 30 |" in table
@@ -182,7 +228,7 @@ def test_table_of_a_grid():
     assert "| boundary | drop: the consistency term, CE on both (alpha 1 - alpha 0) | +0.0 [+0.0, +0.0] |" in table
     assert "| shortcut | attendout - none | +40.5 [" in table
     assert "| shortcut | attendout - scheduled (its own rates, random pairs) | +38.0 [+38.0, +38.0] |" in table
-    assert "| shortcut | attendout, G-Nets at 0.0001 - at the default | +30.0 [+30.0, +30.0] |" in table
+    assert "| shortcut | attendout, G-Nets at 0.0001 - at 1e-05 | +30.0 [+30.0, +30.0] |" in table
     assert "| boundary-sparse-g0 | 60.0 / 60.0 / 60.0 / 60.0 / 60.0 / 60.0 / 60.0 |" in table
     assert "| shortcut-dense-g0-attendout-gnetlr0.0001 | 1 | 91.0 | 2 | 16.00 / 8.00 / 8.00 / 1.00 | 8.33 |" in table
     # one seed: no intervals, and a subset of the tasks leaves the other tasks' contrasts out
