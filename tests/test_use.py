@@ -35,7 +35,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from PIL import ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont
 
 transformers = pytest.importorskip("transformers")
 
@@ -246,16 +246,34 @@ def test_look_counts_the_pairs_the_g_nets_mask(runs):
 
 
 @pytest.mark.parametrize("name", ["dense", "hst"])
-def test_look_on_the_command_line(runs, name, tmp_path, capsys):
+def test_look_on_the_command_line(runs, name, tmp_path, capsys, monkeypatch):
+    """A line per layer; the PNG's title keeps its spaces (its font's space at least 3 px wide: pillow's default
+    10 px font draws 2, and the words run together), a colour scale (white to blue, many levels) and, with
+    AttendOut, red dots and the legend line that says what they are."""
     png = tmp_path / "look.png"
+    drawn = []
+    text = ImageDraw.ImageDraw.text
+    monkeypatch.setattr(ImageDraw.ImageDraw, "text", lambda self, xy, s, *a, **kw: drawn.append(
+        (xy, s, kw.get("font") or ImageFont.load_default())) or text(self, xy, s, *a, **kw))
     capsys.readouterr()
-    M.main(["look", str(runs[name] / "ckpt_best.pt"), "the cat sat on the mat", "--png", str(png)])
+    M.main(["look", str(runs[name] / "ckpt_best.pt"), "the cat sat on the mat", "--png", str(png), "--device",
+            "cpu"])
     lines = capsys.readouterr().out.splitlines()
     layers = [line for line in lines if line.startswith("layer ")]
     assert [line.split(":")[0] for line in layers] == ["layer 1", "layer 2"]
     assert all(len(line.split(":", 1)[1].split(",")) >= 3 for line in layers)        # the top 3 keys
     assert ("G-Net masks" in layers[0]) == (name == "dense")                       # AttendOut's run only
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (xy, title, font), *_ = drawn
+    assert title == "ckpt_best.pt: the cat sat on the mat" and xy[1] < 20                  # the title, on top
+    assert font.getlength("a a") - font.getlength("aa") >= 3
+    legend = [s for xy, s, _ in drawn if xy[1] < 44]                                # the title and the legend
+    assert ("a pair the layer's G-Net masks (AttendOut)" in legend) == (name == "dense")
+    with Image.open(png) as image:
+        top = np.asarray(image.convert("RGB"))[:44].astype(int)                   # the title and the legend
+    scale = {int(r) for r, g, b in top.reshape(-1, 3) if r == g and b == 255 and r < 250}
+    red = ((top[..., 0] > 200) & (top[..., 1] < 60) & (top[..., 2] < 60)).any()
+    assert len(scale) >= 50 and red == (name == "dense")
 
 
 def test_a_short_run_from_epochs_is_warned(runs, tmp_path, capsys):
@@ -300,3 +318,207 @@ def test_a_classifiers_head_kept_for_other_names_is_warned(runs, tmp_path, capsy
     assert len(warned) == 1 and "['negative', 'positive']" in warned[0] and "['neg', 'pos']" in warned[0]
     train.main(["--init", str(runs["dense"] / "ckpt_best.pt"), *common, "--out", str(tmp_path / "b")])
     assert "classified" not in capsys.readouterr().err
+
+
+def evaluation_probs(run, monkeypatch):
+    """The reference predict must equal: each dev example's probabilities as train.evaluate computes them with
+    ckpt_best.pt (its own reading of the dev file, cut at the run's --max-len; its batches, caught as data.collate
+    makes them), in the file's order; and the examples."""
+    final = json.load(open(run / "final.json"))
+    args = argparse.Namespace(**final["args"])
+    model, tok, _ = M.load_for_use(str(run / "ckpt_best.pt"), torch.device("cpu"))
+    task = data.load_task("tsv", args.data, tok, max_len=args.max_len, **train.columns(args))
+    batches = []
+    logits = []
+    collate = data.collate
+    hook = model.register_forward_hook(lambda module, inputs, y: logits.append(y))
+    with monkeypatch.context() as patch:
+        patch.setattr(data, "collate", lambda examples, *a, **kw: batches.append(examples) or collate(
+            examples, *a, **kw))
+        train.evaluate(model, task, args, torch.device("cpu"), tok)
+    hook.remove()
+    found = {id(e): z for examples, y in zip(batches, logits) for e, z in zip(examples, y)}
+    examples = next(iter(task.dev.values()))
+    return torch.stack([found[id(e)] for e in examples]).softmax(-1), examples
+
+
+def predicted_probs(capsys, ckpt, file, out):
+    """predict's probabilities [N, 2] (--out, in the file's order), and what it printed."""
+    capsys.readouterr()
+    M.main(["predict", str(ckpt), str(file), "--out", str(out), "--device", "cpu"])
+    printed = capsys.readouterr()
+    records = [json.loads(line) for line in open(out)]
+    return torch.tensor([[r["probs"][n] for n in ("neg", "pos")] for r in records]), printed
+
+
+def test_predict_with_random_blocks_batches_as_evaluation(runs, tmp_path, capsys, monkeypatch):
+    """A random-block model (--num-random 1) on a dev file whose file order and length order batch differently: a
+    layout is drawn per batch, so predict gives evaluation's probabilities only where it batches as evaluation
+    does (longest first, --batch-size at a time)."""
+    ref, examples = evaluation_probs(runs["sparse"], monkeypatch)
+    lengths = [len(e.ids) for e in examples]
+    assert sorted(lengths, reverse=True) != lengths and len(set(lengths)) > 8     # not in length order
+    probs, printed = predicted_probs(capsys, runs["sparse"] / "ckpt_best.pt", runs["long"] / "dev.tsv",
+                                     tmp_path / "p.jsonl")
+    assert float((probs - ref).abs().max()) < 2e-6                               # --out rounds to 6 places
+    final = json.load(open(runs["sparse"] / "final.json"))
+    assert printed.out.splitlines()[-1].endswith(f"acc {100 * final['best_dev']:.1f}%")
+
+
+def test_predict_cuts_at_the_runs_max_len(runs, tmp_path, capsys, monkeypatch):
+    """Lines longer than the run's --max-len (24) and shorter than the model's position table (40): predict cuts
+    them at 24, as evaluation does, and says how many it cut."""
+    ckpt = runs["sparse"] / "ckpt_best.pt"
+    assert torch.load(ckpt, weights_only=True)["task"]["max_len"] == 24 and M.load_for_use(
+        str(ckpt), torch.device("cpu"))[0].cfg.max_len == 40
+    ref, examples = evaluation_probs(runs["sparse"], monkeypatch)
+    tok = data.tokenizer_from_path(str(ckpt))
+    texts = [line.split("\t")[1] for line in (runs["long"] / "dev.tsv").read_text().splitlines()[1:]]
+    cut = [i for i, t in enumerate(texts) if 24 < len(tok.encode(t)) <= 40]
+    assert len(cut) >= 3 and all(len(examples[i].ids) == 24 for i in cut)
+    probs, printed = predicted_probs(capsys, ckpt, runs["long"] / "dev.tsv", tmp_path / "p.jsonl")
+    assert float((probs[cut] - ref[cut]).abs().max()) < 2e-6
+    longer = sum(len(tok.encode(t)) > 24 for t in texts)
+    assert f"warning: {longer} examples were longer than 24 tokens (the run's --max-len)" in printed.err
+
+
+def test_labels_on_some_lines_only_or_text_for_a_pair_task_is_one_error(runs, tmp_path, capsys):
+    """A file labelled on some lines only is one error naming FILE:LINE (an empty cell, a JSON line without its
+    label); plain text given to a pair task is one error naming the file; --out is not written."""
+    ckpt = runs["dense"] / "ckpt_best.pt"
+    out = tmp_path / "p.jsonl"
+    some = tmp_path / "some.tsv"
+    some.write_text("label\tsentence\npos\tthe cat\nneg\ta dog\n\thello there\n")
+    some_json = tmp_path / "some.jsonl"
+    some_json.write_text('{"sentence": "the cat", "label": "pos"}\n{"sentence": "hello there"}\n')
+    one_error(capsys, ["predict", ckpt, some, "--out", out], f"{some}:4")
+    one_error(capsys, ["predict", ckpt, some_json, "--out", out], f"{some_json}:2", "label")
+    pair = torch.load(ckpt, weights_only=True)
+    pair["task"]["text_pair_col"] = "sentence2"                       # a checkpoint of a pair task
+    torch.save(pair, tmp_path / "pair.pt")
+    (tmp_path / "plain.txt").write_text("the cat sat\nhello there\n")
+    one_error(capsys, ["predict", tmp_path / "pair.pt", tmp_path / "plain.txt", "--out", out],
+              str(tmp_path / "plain.txt"), "pairs")
+    assert not out.exists()
+
+
+def test_no_command_writes_over_a_file_it_reads(runs, tmp_path, capsys, monkeypatch):
+    """predict --out naming its checkpoint or its input, look --png naming the checkpoint, export / convert
+    naming their input: one error line naming the flag and the file, the file unchanged (real paths compared:
+    ./name, a link)."""
+    shutil.copy(runs["dense"] / "ckpt_best.pt", tmp_path / "ckpt.pt")
+    shutil.copytree(runs["hf"], tmp_path / "hf")
+    (tmp_path / "plain.txt").write_text("the cat sat\nhello there\n")
+    os.symlink(tmp_path / "ckpt.pt", tmp_path / "link.pt")
+    files = [tmp_path / name for name in ("ckpt.pt", "plain.txt", "hf/model.safetensors", "hf/config.json")]
+    before = [f.read_bytes() for f in files]
+    monkeypatch.chdir(tmp_path)
+    cases = [(["predict", "ckpt.pt", "plain.txt", "--out", "./ckpt.pt"], "--out ./ckpt.pt", "the checkpoint"),
+             (["predict", tmp_path / "ckpt.pt", "plain.txt", "--out", "link.pt"], "--out link.pt", "checkpoint"),
+             (["predict", "ckpt.pt", "plain.txt", "--out", tmp_path / "plain.txt"], "--out", "the input file"),
+             (["predict", "ckpt.pt", "./plain.txt", "--out", "plain.txt"], "--out plain.txt", "input file"),
+             (["look", "ckpt.pt", "the cat", "--png", "./ckpt.pt"], "--png ./ckpt.pt", "the checkpoint"),
+             (["look", "./ckpt.pt", "the cat", "--png", "link.pt"], "--png link.pt", "the checkpoint"),
+             (["export", "ckpt.pt", "./ckpt.pt", "--force"], "OUT ./ckpt.pt", "the checkpoint"),
+             (["export", "hf", "hf", "--hf", "--force"], "OUT hf", "the checkpoint"),
+             (["convert", "hf", "hf/model.safetensors", "--force"], "OUT hf/model.safetensors", "checkpoint")]
+    for argv, *names in cases:
+        one_error(capsys, argv, *names)
+    assert [f.read_bytes() for f in files] == before
+    M.main(["predict", "ckpt.pt", "plain.txt", "--out", "p.jsonl"])          # another file: written
+    assert len(open("p.jsonl").read().splitlines()) == 2
+
+
+def test_a_gpu_this_machine_lacks_is_one_error_line(runs, tmp_path, capsys, monkeypatch):
+    """--device cuda:N past the GPUs there are (and any cuda without one) is one error line naming it, from the one
+    check predict, look and train.py share (model.pick_device)."""
+    ckpt = runs["dense"] / "ckpt_best.pt"
+    (tmp_path / "plain.txt").write_text("the cat sat\n")
+    devices = [f"cuda:{torch.cuda.device_count()}", "cuda:5" if torch.cuda.device_count() < 6 else "gpu"]
+    if not torch.cuda.is_available():
+        devices += ["cuda", "cuda:0"]
+    for device in devices:
+        one_error(capsys, ["predict", ckpt, tmp_path / "plain.txt", "--device", device], f"--device {device}")
+        one_error(capsys, ["look", ckpt, "the cat", "--device", device], f"--device {device}")
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:                    # fails in setup, before any data or --out
+            train.main(["--device", device, "--out", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: --device {device}:"), err
+    assert not (tmp_path / "run").exists()
+    # on a machine with one GPU: cuda and cuda:0 are it, cuda:1 is one error naming the one GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert M.pick_device("cuda") == M.pick_device("auto") == torch.device("cuda")
+    assert M.pick_device("cuda:0") == torch.device("cuda:0")
+    for device in ("cuda:1", "cuda:5", "cuda:x", "gpu"):
+        with pytest.raises(ValueError, match=f"^--device {device}: .*this machine has 1 GPUs"):
+            M.pick_device(device)
+
+
+@pytest.fixture(scope="module")
+def roberta(tmp_path_factory):
+    """A tiny random RoBERTa masked LM (byte-level BPE with few merges: a word of the vocabulary's letters is
+    several pieces), its HF folder and the converted .pt."""
+    tmp = tmp_path_factory.mktemp("look")
+    folder, _ = hf_folder(tmp, "roberta")
+    M.main(["convert", str(folder), str(tmp / "conv.pt")])
+    return folder, tmp / "conv.pt"
+
+
+def test_look_shows_the_first_tokens_row_over_the_heads_by_word(roberta, capsys):
+    """What look shows in each layer is transformers' output_attentions, averaged over the heads, in the first
+    token's row, summed over each word's pieces (transformers' word ids): every word once, with its weight."""
+    folder, ckpt = roberta
+    text = "the zebra sat"
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    enc = hf_tok(text, return_offsets_mapping=True)
+    word_ids = enc.word_ids()
+    assert word_ids.count(1) >= 3                                                 # "zebra": several pieces
+    names = []
+    for t, w in enumerate(word_ids):
+        start, end = enc.offset_mapping[t]
+        if w is None:
+            names.append("<cls>" if enc.input_ids[t] == hf_tok.cls_token_id else "<sep>")
+        else:
+            spans = [enc.offset_mapping[u] for u, v in enumerate(word_ids) if v == w]
+            names.append(f'"{text[spans[0][0]:spans[-1][1]]}"')
+    with torch.no_grad():
+        attentions = hf(torch.tensor([enc.input_ids]), output_attentions=True).attentions    # [1, H, L, L]
+    capsys.readouterr()
+    shown = M.look(str(ckpt), text)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("layer ")]
+    for layer, line, A in zip(shown, lines, attentions):
+        heads = A[0, :, 0]                                                        # [H, L]: row 0
+        assert float((heads[0] - heads[1]).abs().max()) > 0.05                    # the heads differ
+        expected = {}
+        for t, name in enumerate(names):
+            expected[name] = expected.get(name, 0.0) + float(heads[:, t].mean())
+        got = dict(layer["keys"])
+        assert len(got) == len(layer["keys"]) and set(got) == set(expected), (got, expected)
+        assert max(abs(got[n] - w) for n, w in expected.items()) < 1e-5
+        assert line.split(": ", 1)[1] == ", ".join(f"{n} {w:.2f}" for n, w in layer["keys"][:3])
+    assert len(shown) == len(attentions) == 2
+
+
+def test_look_counts_g_net_masks_only_where_the_layout_attends(runs, tmp_path):
+    """Block-sparse attention (no random blocks: the masked pass attends the evaluation's layout) leaves pairs out:
+    the pairs look counts as masked, and their total, are those the G-Net's own counters count in the masked
+    pass, over the layout (sparse.dense_mask), not over every pair."""
+    model = M.load_pretrained(str(runs["conv"]), attention="sparse", block_size=4, attn_dropout="attendout")
+    torch.manual_seed(1)
+    for layer in model.layers:                        # G-Nets that mask about half of the pairs
+        torch.nn.init.normal_(layer.attn.drop.gnet.weight, std=1.0)
+    tok_files = M.read_checkpoint(str(runs["conv"]))[2]
+    torch.save(M.checkpoint_dict(model, tok_files), tmp_path / "sparse.pt")
+    text = "the cat sat on a mat hello there quick dog ran eat the mat on a cat"
+    shown = M.look(str(tmp_path / "sparse.pt"), text, device="cpu")
+    model, tok, _ = M.load_for_use(str(tmp_path / "sparse.pt"), torch.device("cpu"))
+    ids = torch.tensor([tok.encode(text)])
+    M.layer_inputs(model, ids, torch.zeros_like(ids), masked=True)                  # the G-Nets count
+    L = ids.size(1)
+    for layer, seen in zip(model.layers, shown):
+        counted = float(layer.attn.drop.pairs - layer.attn.drop.kept)
+        assert seen["masked"] == counted and seen["pairs"] == float(layer.attn.drop.pairs)
+        assert 0 < seen["masked"] and seen["pairs"] < L * L                       # the layout leaves pairs out
