@@ -7,10 +7,11 @@ import train
 
 
 def train_args(*argv, **fields):
-    """train.parse_args(["--task", "listops", "--sar", "0", *argv]): the parser, its defaults (train.DEMO's, with
-    the demo's SAR off unless asked for) and `given`; then `fields` set on it by name, for values that have no flag
-    of their own. e.g. train_args("--sar", "1.0"), train_args("--task", "stsb", "--batch-size", "16")."""
-    args = train.parse_args(["--task", "listops", "--sar", "0", *argv])    # a later flag wins, as on a command line
+    """train.parse_args(["--task", "listops", "--sar", "0", "--device", "cpu", *argv]): the parser, its defaults
+    (train.DEMO's, with the demo's SAR off unless asked for, on the CPU also on a GPU machine) and `given`; then
+    `fields` set on it by name, for values that have no flag of their own. e.g. train_args("--sar", "1.0"),
+    train_args("--task", "stsb", "--batch-size", "16")."""
+    args = train.parse_args(["--task", "listops", "--sar", "0", "--device", "cpu", *argv])  # a later flag wins
     for k, v in fields.items():
         if not hasattr(args, k):
             raise AttributeError(f"train.py has no flag for {k!r}")  # a typo must not pass silently

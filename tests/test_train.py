@@ -22,9 +22,10 @@ from helpers import train_args
 from model import load_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# a tiny dense model with standard dropout and no SAR (the defaults are the demo's: HST, AttendOut, SAR)
+# a tiny dense model with standard dropout and no SAR (the defaults are the demo's: HST, AttendOut, SAR), on the
+# CPU also on a GPU machine (--device auto would pick CUDA: bf16, other kernels, no "CPU thread(s)" line)
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--attention", "dense",
-        "--attn-dropout", "standard", "--sar", "0"]
+        "--attn-dropout", "standard", "--sar", "0", "--device", "cpu"]
 
 
 
