@@ -314,3 +314,102 @@ def test_a_failed_run_stops_the_others_and_names_its_log(tmp_path, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: run failed (exit 3); see {tmp_path / 'bad.log'}; stopped 1 other run(s) " \
                       "(the next call resumes the grid)"
+
+
+def finish(out, name, seeds, acc, extra=()):
+    """Fake finished runs of a lab row (final.json of recorded flags: the row's, with `extra` in place)."""
+    for s in seeds:
+        flags = experiments.lab_flags(row_named(name), "data/lab-reach", str(out), s)
+        folder = out / f"{name}-s{s}"
+        folder.mkdir(parents=True)
+        final = fake_final(acc, flags=experiments.merge_flags(flags, list(extra)))
+        (folder / "final.json").write_text(json.dumps(final))
+
+
+def test_each_flag_once_with_the_value_that_runs(tmp_path, capfd):
+    """--extra's flags replace the grid's: every planned command gives --window and --max-steps once, with
+    --extra's values, also when --extra names a flag by a prefix or with "="; a flag the grid lacks comes last."""
+    out = str(tmp_path / "lab")
+    experiments.main(["lab", "--variants", "reach-sparse-g0", "--dry-run", "--out", out,
+                      "--extra=--window 2 --max-st=300 --attn-dropout-p 0.2"])
+    planned = [line.split() for _, line in commands(capfd)]
+    assert len(planned) == 3
+    for words in planned:
+        flags = [w for w in words if w.startswith("--")]
+        assert len(flags) == len(set(flags)), words
+        assert words[words.index("--window") + 1] == "2" and words[words.index("--max-steps") + 1] == "300"
+        assert words[words.index("--seed") + 1:words.index("--seed") + 4] == [words[words.index("--seed") + 1],
+                                                                              "--attn-dropout-p", "0.2"]
+    assert experiments.merge_flags(["--a", "1", "--dev-file", "x", "y", "--b"], ["--dev-file", "z"]) == \
+        ["--a", "1", "--dev-file", "z", "--b"]
+
+
+def test_a_finished_run_stands_only_for_its_own_flags(tmp_path, capfd):
+    """A finished run is reused by its own command (the runner's flags aside, --extra giving the grid's own
+    value too); run with other flags, the grid is one error line naming the folder and the flags, before
+    anything runs. A Config flag the row leaves out counts at the model's value."""
+    out = tmp_path / "lab"
+    finish(out, "reach-sparse-g0", (0, 1, 2), 0.638)
+    argv = ["lab", "--variants", "reach-sparse-g0", "--out", str(out), "--threads", "2"]
+    for extra in ([], ["--extra=--window=1 --attn-dropout none"]):
+        experiments.main(argv + extra + ["--dry-run"])
+        assert commands(capfd) == []                                   # all three reused
+    for extra, says in [("--attn-dropout standard", "--attn-dropout none, planned standard"),
+                        ("--window 2 --lr 1e-3", "--lr 0.002, planned 0.001; --window 1, planned 2"),
+                        ("--attn-dropout-p 0.3", "--attn-dropout-p 0.1, planned 0.3")]:
+        for dry in ([], ["--dry-run"]):
+            with pytest.raises(SystemExit) as e:
+                experiments.main(argv + [f"--extra={extra}", *dry])
+            err = capfd.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and err == [
+                f"error: {out / 'reach-sparse-g0-s0'} holds a finished run of other flags ({says}) (and 2 other "
+                "run folder(s) like it): give another --out"], err
+    assert sorted(os.listdir(out)) == [f"reach-sparse-g0-s{s}" for s in (0, 1, 2)]     # nothing started
+    # a run made with --attn-dropout-p 0.3 does not stand for the row, which leaves it at Config's 0.1
+    finish(tmp_path / "other", "reach-sparse-g0", (0,), 0.638, ["--attn-dropout-p", "0.3"])
+    with pytest.raises(SystemExit):
+        experiments.main(["lab", "--variants", "reach-sparse-g0", "--seeds", "0", "--out", str(tmp_path / "other")])
+    assert "(--attn-dropout-p 0.3, planned 0.1)" in capfd.readouterr().err
+
+
+def test_a_variant_is_recorded_as_it_ran_and_paired_by_its_row(tmp_path, capfd):
+    """The lab read from finished runs (no training): the row run again at 63.8% is paired with the documented
+    lab and said to be unable to tell them apart (both at its bound); a --window 2 variant keeps the row's name,
+    says what it changed in lab.json, lab.md and base.md, and is not at the bound of window 1."""
+    base = "docs/results/results_lab.json"
+    same, variant = tmp_path / "same", tmp_path / "variant"
+    finish(same, "reach-sparse-g0", (0, 1, 2), 0.638)
+    experiments.main(["lab", "--variants", "reach-sparse-g0", "--out", str(same), "--base", base])
+    text = (same / "base.md").read_text()
+    assert "| reach-sparse-g0 | dev_acc | 0 1 2 | 63.8 +- 0.0 | 63.8 +- 0.0 | +0.0 [+0.0, +0.0]; cannot tell " \
+           "them apart: both at 63.8, its bound |" in text
+    finish(variant, "reach-sparse-g0", (0, 1, 2), 0.787, ["--window", "2"])
+    experiments.main(["lab", "--variants", "reach-sparse-g0", "--out", str(variant), "--base", base,
+                      "--extra=--window 2"])
+    runs = json.loads((variant / "lab.json").read_text())["runs"]
+    assert [(r["row"], r["changed"]) for r in runs] == [("reach-sparse-g0", "--window 2")] * 3
+    assert "| lab-reach (ran with --window 2) | sparse |" in (variant / "lab.md").read_text()
+    text = (variant / "base.md").read_text()
+    assert "| reach-sparse-g0 (ran with --window 2) | dev_acc | 0 1 2 | 63.8 +- 0.0 | 78.7 +- 0.0 | +14.9 " \
+           "[+14.9, +14.9] |" in text and "cannot tell" not in text
+
+
+def test_cannot_tell_names_the_limit_both_rows_sit_at():
+    """Both rows at one limit on every seed: the ceiling, the bound, a floor (the shortcut task's floor is
+    reading token 1 alone, 46.6% on the lab's dev set); one seed off the limit, or the rows apart: no words."""
+    limits = experiments.lab_limits("dev_acc", [{"bound": 63.8}] * 3, [{"bound": 63.8, "task": "lab-shortcut"}] * 3)
+    assert experiments.cannot_tell([100.0] * 3, [100.0] * 3, limits) == "cannot tell them apart: both at 100.0, " \
+                                                                       "the ceiling"
+    assert experiments.cannot_tell([63.8] * 3, [63.8] * 3, limits) == "cannot tell them apart: both at 63.8, its bound"
+    floor = dict((name, value) for value, name in experiments.lab_floors("lab-shortcut"))
+    assert round(floor["reading only the shortcut"], 1) == 46.6
+    assert experiments.cannot_tell([46.6] * 3, [46.6] * 3, limits) == \
+        "cannot tell them apart: both at 46.6, reading only the shortcut"
+    assert experiments.cannot_tell([46.6, 46.6, 46.9], [46.6] * 3, limits) == ""        # one seed above the floor
+    assert experiments.cannot_tell([46.6] * 3, [46.6, 46.6, 60.0], limits) == ""
+    assert experiments.cannot_tell([80.0] * 3, [80.0] * 3, limits) == ""                # equal, at no limit
+    other = experiments.lab_limits("dev_acc", [{"bound": 63.8}], [{"bound": 79.6, "task": "lab-reach"}])
+    assert experiments.cannot_tell([63.8], [79.6], other) == ""                      # bounds differ
+    drop = experiments.lab_limits("drop", [{}] * 2, [{}] * 2)
+    assert experiments.cannot_tell([0.0, 0.0], [0.0, 0.0], drop) == "cannot tell them apart: both at 0.0, no drop " \
+                                                                     "under any shift"
