@@ -385,10 +385,11 @@ class Model(nn.Module):
             raise ValueError(
                 "this model has no task head (num_labels = 0); use mlm_logits or encode")
         h = self.encode(input_ids, attention_mask, token_type_ids, position_ids, views, masked)
-        # The head in fp32, also under bf16 autocast (train.py's on CUDA): the consistency terms
-        # compare views whose logits may differ by 0.01, below bf16's step (methods.md §1).
+        # The head in the parameters' fp32, also under bf16 autocast (train.py's on CUDA): the
+        # consistency terms compare views whose logits may differ by 0.01, below bf16's step
+        # (methods.md §1).
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-            return self.cls(h.float())
+            return self.cls(h.to(self.emb.word.weight.dtype))
 
     # How far training is (0 .. 1), for scheduled dropout (methods.md §3.2).
     def set_progress(self, step_frac):
