@@ -870,7 +870,7 @@ def predict(path, file, out=None, batch_size=None, device="auto"):
 # The table predict prints without --out, under a header: the file's line, the answer (the label and
 # its probability, or the value), the text's start.
 def print_predictions(records, texts):
-    answer = "value" if records and "value" in records[0] else "label  p"
+    answer = "value" if records and "value" in records[0] else "label p"
     print(f"{'line':>6}  {answer:<16}  text")
     for record, (where, text) in zip(records, texts):
         line = where.rsplit(":", 1)[-1]
