@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import attendout
 import data
 import train
 from helpers import train_args
@@ -25,7 +26,7 @@ from model import Config, Model
 N, V = 32, 40                     # tokens per example, vocabulary
 TOK = SimpleNamespace(pad_id=0, cls_id=1, sep_id=2, mask_id=3, vocab_size=V)   # what the losses read of a tokenizer
 ATTENTIONS = ("dense", "sparse", "hst")
-DROPOUTS = ("standard", "none", "attendout", "scheduled")
+DROPOUTS = tuple(attendout.METHODS)  # every --attn-dropout method (a new one is checked here too)
 # (consistency loss, task): SAR / R-Drop need labels, so masked-LM runs plain only (train.py fails otherwise)
 LOSSES = [("plain", "cls"), ("sar", "cls"), ("rdrop", "cls"), ("plain", "mlm")]
 LOSS_FLAGS = {"plain": [], "sar": ["--sar", "1.0"], "rdrop": ["--rdrop", "1.0"]}   # train.py's flags for each

@@ -269,3 +269,34 @@ def test_random_blocks_fresh_without_generator_fixed_with_one():
     assert not torch.allclose(fresh[0], fresh[1])
     fixed = [block_sparse_attention(q, k, v, generator=torch.Generator().manual_seed(5), **kw) for _ in range(2)]
     assert torch.equal(fixed[0], fixed[1])
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_random_blocks_do_not_depend_on_the_inputs_device(training, monkeypatch):
+    """One generator kind on every device (issue 55): random blocks are drawn on the CPU (torch's global CPU stream in
+    training, model.Attention.eval_generator's CPU generator in evaluation) and then moved, so a model on another
+    device draws the very numbers a CPU model draws. The `meta` device stands in for a GPU: it holds no values, so
+    the draws are caught where they are made (torch.rand), in a CPU model and a meta one at the same seed."""
+    from tests.test_precision import tiny_batch, tiny_model
+    rand = torch.rand
+    draws = {}
+    for device in ("cpu", "meta"):
+        caught = draws[device] = []
+
+        def record(*args, **kwargs):
+            u = rand(*args, **kwargs)
+            caught.append(u)
+            return u
+        monkeypatch.setattr(torch, "rand", record)
+        model = tiny_model("hst", "none", "cls").train(training).to(device)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0                                      # hidden dropout draws on its own device
+        b = {k: v.to(device) for k, v in tiny_batch("cls").items()}
+        torch.manual_seed(3)
+        with torch.no_grad():
+            out = model(b["input_ids"], b["attention_mask"], b["token_type_ids"])
+        assert out.device.type == device
+    assert len(draws["cpu"]) == len(draws["meta"]) == 2            # one draw per layer
+    for on_cpu, for_meta in zip(draws["cpu"], draws["meta"]):
+        assert for_meta.device.type == "cpu" and torch.equal(on_cpu, for_meta)
