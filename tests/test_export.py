@@ -102,7 +102,8 @@ def finetuned(request, tmp_path_factory):
         (tmp / "data" / f"{split}.tsv").write_text("text\tlabel\n" + "\n".join(rows) + "\n")
     train.main(["--init", str(tmp / "conv.pt"), "--task", "tsv", "--data", str(tmp / "data"), "--text-col", "text",
                 "--label-col", "label", "--max-steps", "3", "--batch-size", "8", "--lr", "1e-3", "--out",
-                str(tmp / "run"), "--attention", "dense", "--attn-dropout", "attendout", "--threads", "1"])
+                str(tmp / "run"), "--attention", "dense", "--attn-dropout", "attendout", "--threads", "1",
+                "--device", "cpu"])
     ckpt = tmp / "run" / "ckpt_last.pt"
     export(ckpt, tmp / "hf-out")
     return family, ckpt, tmp / "hf-out"

@@ -28,7 +28,7 @@ from readers import lra, qa
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--attention", "dense",
-        "--attn-dropout", "standard", "--sar", "0"]
+        "--attn-dropout", "standard", "--sar", "0", "--device", "cpu"]
 
 # runs SCRIPT as __main__ once per argv in one process; after each run, its exit code on a marker line
 DRIVER = r"""

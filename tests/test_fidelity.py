@@ -27,7 +27,7 @@ from helpers import train_args
 
 # a tiny model from scratch, dense and without SAR (train.py's defaults are the demo's: HST, AttendOut, SAR)
 TINY = ["--init", "scratch", "--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--attention", "dense",
-        "--sar", "0"]
+        "--sar", "0", "--device", "cpu"]
 
 
 def tiny_config(**kw):

@@ -108,6 +108,6 @@ def test_train_py_without_data_generates_the_lab_task(tmp_path, monkeypatch, cap
     """python train.py --task lab-reach: no --data needed; the set is generated once into data/lab-reach."""
     monkeypatch.chdir(tmp_path)
     train.main(["--task", "lab-reach", "--max-steps", "1", "--sar", "0", "--out", "o", "--layers", "1",
-                "--hidden", "16", "--heads", "2", "--ffn", "32"])
+                "--hidden", "16", "--heads", "2", "--ffn", "32", "--device", "cpu"])
     assert sorted(os.listdir(tmp_path / "data" / "lab-reach")) == ["dev.tsv", "spec.json", "train.tsv"]
     assert "task lab-reach: 20000 train / 1000 dev examples" in capsys.readouterr().out

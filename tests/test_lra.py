@@ -16,7 +16,7 @@ from readers import lra
 from test_train import check_eval_shift_all, run_main
 from model import Config, Model, PairHead
 
-TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64"]
+TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--device", "cpu"]
 OFF = 5   # ByteTokenizer: id = byte / pixel value + 5, [cls] = 2
 
 

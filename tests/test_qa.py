@@ -18,7 +18,7 @@ from model import Config, Model, SpanHead
 from test_train import check_eval_shift_all, run_main
 
 TINY = ["--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64",
-        "--attn-dropout", "standard"]                       # AttendOut is refused for QA (methods.md §3.1)
+        "--attn-dropout", "standard", "--device", "cpu"]       # AttendOut is refused for QA (methods.md §3.1)
 
 
 class WordTok:

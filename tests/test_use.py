@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
     write_split(tmp / "data" / "dev.tsv", 20, 2)
     write_long_split(tmp / "long" / "dev.tsv", 30, 3)
     common = ["--init", str(tmp / "conv.pt"), "--task", "tsv", "--text-col", "sentence", "--label-col", "label",
-              "--lr", "1e-3", "--batch-size", "8", "--max-steps", "12", "--eval-every", "3"]
+              "--lr", "1e-3", "--batch-size", "8", "--max-steps", "12", "--eval-every", "3", "--device", "cpu"]
     flags = {"dense": ["--data", str(tmp / "data"), "--attn-dropout", "attendout"],
              "sparse": ["--data", str(tmp / "long"), "--max-len", "24", "--attention", "sparse", "--block-size",
                         "4", "--num-random", "1"],
@@ -278,7 +278,7 @@ def test_look_on_the_command_line(runs, name, tmp_path, capsys, monkeypatch):
 
 def test_a_short_run_from_epochs_is_warned(runs, tmp_path, capsys):
     common = ["--init", str(runs["conv"]), "--task", "tsv", "--data", str(runs["data"]), "--text-col", "sentence",
-              "--label-col", "label", "--batch-size", "8"]
+              "--label-col", "label", "--batch-size", "8", "--device", "cpu"]
     capsys.readouterr()
     train.main([*common, "--epochs", "1", "--out", str(tmp_path / "a")])
     warned = [line for line in capsys.readouterr().err.splitlines() if "optimizer steps" in line]
@@ -311,7 +311,7 @@ def test_a_classifiers_head_kept_for_other_names_is_warned(runs, tmp_path, capsy
     folder, _ = hf_folder(tmp_path, "bert", head="SequenceClassification", num_labels=2, id2label=names,
                           label2id={v: k for k, v in names.items()})
     common = ["--task", "tsv", "--data", str(runs["data"]), "--text-col", "sentence", "--label-col", "label",
-              "--batch-size", "8", "--max-steps", "2"]
+              "--batch-size", "8", "--max-steps", "2", "--device", "cpu"]
     capsys.readouterr()
     train.main(["--init", str(folder), *common, "--out", str(tmp_path / "a")])
     warned = [line for line in capsys.readouterr().err.splitlines() if "classified" in line]

@@ -204,7 +204,7 @@ def tiny_init(tmp_path_factory):
     write_sentences(str(root / "pretrain"), 400, 8, seed=1)
     write_sentences(str(root / "data" / "sst2"), 64, 80, seed=0)
     train.main(["--task", "tsv", "--data", str(root / "pretrain"), "--text-col", "1", "--label-col", "0",
-                "--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64",
+                "--init", "scratch", "--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--device", "cpu",
                 "--vocab-size", "36", "--max-steps", "50", "--batch-size", "16", "--lr", "3e-3", "--warmup", "10",
                 "--attention", "dense", "--attn-dropout", "none", "--sar", "0", "--hidden-dropout-p", "0",
                 "--eval-every", "0", "--out", str(root / "init")])
