@@ -4,7 +4,8 @@ no line over 100 characters; imports run one way with no circle (data.py imports
 not even inside a function; model <- data, attendout, sparse; train <- everything; the methods attendout, sparse
 and sar are leaves; nothing of the six imports research/ or readers/ at module level); every module imports first
 in a fresh interpreter; every task has a reader and an objective train.py knows; README.md is a front door, its
-sections in order. No line budget and no flag cap: a student who adds a flag or a Config field must not fail here.
+sections in order; no line of research/*.py (research/'s top level) is over 100 characters either. No cap on a
+file's number of lines and no flag cap: a student who adds a flag or a Config field must not fail here.
 
 Imports are read with ast, function-level ones included. Run: python -m pytest tests/test_structure.py -q
 """
@@ -61,6 +62,13 @@ def test_docstring_comments_and_line_length(module):
     long = [n for n, line in enumerate(lines, 1) if len(line) > 100]
     assert not long, f"{module}.py: lines over 100 characters: {long[:10]}"
     assert ast.get_docstring(ast.parse(src)), f"{module}.py opens with no docstring"
+
+
+@pytest.mark.parametrize("path", sorted(f for f in os.listdir(os.path.join(ROOT, "research")) if f.endswith(".py")))
+def test_research_lines_at_most_100_characters(path):
+    with open(os.path.join(ROOT, "research", path), encoding="utf-8") as f:
+        long = [n for n, line in enumerate(f.read().splitlines(), 1) if len(line) > 100]
+    assert not long, f"research/{path}: lines over 100 characters: {long[:10]}"
 
 
 def test_the_six_together():
