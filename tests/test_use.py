@@ -87,7 +87,7 @@ def runs(tmp_path_factory):
 
 def predict_lines(capsys, argv):
     capsys.readouterr()
-    M.main(["predict", *map(str, argv)])
+    M.main(["predict", *map(str, argv), "--device", "cpu"])         # as the runs: on the CPU
     return capsys.readouterr().out.splitlines()
 
 
@@ -125,7 +125,8 @@ def test_a_checkpoint_from_before_shows_its_classes_by_index(runs, tmp_path, cap
     torch.save(old, tmp_path / "old.pt")
     (tmp_path / "plain.txt").write_text("the cat sat\nhello there\n")
     capsys.readouterr()
-    M.main(["predict", str(tmp_path / "old.pt"), str(tmp_path / "plain.txt"), "--out", str(tmp_path / "p.jsonl")])
+    M.main(["predict", str(tmp_path / "old.pt"), str(tmp_path / "plain.txt"), "--out", str(tmp_path / "p.jsonl"),
+            "--device", "cpu"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("note: ") and "by index" in err[0], err
     records = [json.loads(line) for line in open(tmp_path / "p.jsonl")]
@@ -138,7 +139,7 @@ def test_a_checkpoint_from_before_shows_its_classes_by_index(runs, tmp_path, cap
 def test_predict_gives_transformers_probabilities(runs, tmp_path, capsys):
     ckpt = runs["dense"] / "ckpt_best.pt"
     (tmp_path / "plain.txt").write_text("\n".join(TEXTS) + "\n\n")             # a blank line is no example
-    M.main(["predict", str(ckpt), str(tmp_path / "plain.txt"), "--out", str(tmp_path / "p.jsonl")])
+    M.main(["predict", str(ckpt), str(tmp_path / "plain.txt"), "--out", str(tmp_path / "p.jsonl"), "--device", "cpu"])
     M.main(["export", str(ckpt), str(tmp_path / "hf"), "--hf"])
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "hf")).eval()
     tok = data.tokenizer_from_path(str(ckpt))
