@@ -156,11 +156,10 @@ class Attention(nn.Module):
         k = k.view(B, L, H, -1).transpose(1, 2)
         v = v.view(B, L, H, -1).transpose(1, 2)
         p = self.drop.rate(self.step_frac) if self.training else 0.0               # 0 in evaluation
-        xs = split_views(x, views)
         mask_fns = [None] * views                                                 # evaluation
         if self.training:
             mask_fns = [self.drop.logits_fn(xv, masked and i == views - 1)
-                        for i, xv in enumerate(xs)]
+                        for i, xv in enumerate(split_views(x, views))]
         if kernel == "dense" and all(fn is None for fn in mask_fns):              # one fused call
             y = dense_attention(q, k, v, key_mask, p)                             # [B, H, L, d_h]
             return self.out(y.transpose(1, 2).reshape(B, L, d))
