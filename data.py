@@ -671,6 +671,10 @@ LAB = {
     # shortcut: label 1 iff `more` outnumbers `less` among the filler; token 1 gives the label away
     # in training (X for 0, Y for 1) and is X or Y at random on dev. Dense attention, no blocks.
     "lab-shortcut": dict(kind="shortcut", length=64, more="b", less="c"),
+    # sum: 63 digits 0-9; label 1 iff their sum exceeds `above` (their mean sum is 283.5: never a
+    # tie, the labels balanced). Every digit counts: under HST the far blocks reach [cls] through
+    # the representatives; block-sparse with window 1 sees tokens 0-23 alone.
+    "lab-sum": dict(kind="sum", length=64, block=8, above=283),
 }
 LAB_SIZES = dict(n_train=20000, n_dev=1000, seed=0)
 
@@ -1038,7 +1042,7 @@ def write_listops(out_dir, n_train=96000, n_val=2000, n_test=2000, min_len=500, 
     return paths
 
 # -----------------------------------------------------------------------------
-# 6b. The lab's generators (docs/results.md, "The lab"): four tasks, each with one path of
+# 6b. The lab's generators (docs/results.md, "The lab"): five tasks, each with one path of
 # information that a method has or lacks. A sequence is [cls] + letters, one byte a token, so the
 # letter at text index i is token i + 1; blocks are counted in tokens, [cls] in block 0. The label,
 # "0" or "1", is balanced. Every task's numbers (its length, the model's block size b that it is
@@ -1114,6 +1118,16 @@ def lab_shortcut(rng, length, more, less, train, **unused):
 def shortcut_label(text, more, less, **spec):
     return int(text.count(more) > text.count(less))
 
+# sum: digits drawn uniformly, label 1 iff their sum exceeds `above` (a text of digits, not
+# letters).
+def lab_sum(rng, length, above, **unused):
+    digits = [rng.randrange(10) for _ in range(length - 1)]
+    return "".join(str(d) for d in digits), int(sum(digits) > above)
+
+# Every digit decides a sum text together: label 1 iff the digits add up to more than `above`.
+def sum_label(text, above, **spec):
+    return int(sum(int(c) for c in text) > above)
+
 # One lab kind: its generator ((rng, train, **spec) -> (text, label); `train` False for a dev
 # example), its label rule ((text, **spec) -> 0 or 1, read off the text) and its evidence ((text,
 # **spec) -> the token that decides the label), None where no single token decides.
@@ -1128,6 +1142,7 @@ LAB_KINDS = {
     "bottleneck": LabKind(lab_bottleneck, bottleneck_label),
     "boundary": LabKind(lab_boundary, boundary_label, boundary_evidence),
     "shortcut": LabKind(lab_shortcut, shortcut_label),
+    "sum": LabKind(lab_sum, sum_label),
 }
 
 # A lab task's (kind, its LAB entry); an unknown task or kind is an error naming the known ones.
@@ -1155,7 +1170,7 @@ def lab_label(name, text):
     return kind.label(text, **spec)
 
 # The token that decides a text's label (reach, boundary); an error for a kind where no single
-# token decides (bottleneck, shortcut): such a task has no receptive-field bound.
+# token decides (bottleneck, shortcut, sum): such a task has no receptive-field bound.
 def lab_evidence(name, text):
     kind, spec = lab_kind(name)
     if kind.evidence is None:

@@ -42,12 +42,16 @@ def test_rules_on_hand_built_texts():
     assert data.lab_label("lab-shortcut", "Y" + filler.replace("b", "c", 2)) == 0    # 14 b, 17 c
     assert data.lab_label("lab-shortcut", "Y" + "c" + filler[1:].replace("b", "a", 1)) == 0
     assert data.lab_label("lab-shortcut", "X" + "bcbcbbd" + "a" * 55) == 1
+    # sum: the digits' sum against 283, wherever the digits stand
+    assert data.lab_label("lab-sum", "45" * 31 + "5") == 1                      # 284
+    assert data.lab_label("lab-sum", "45" * 31 + "4") == 0                      # 283
+    assert data.lab_label("lab-sum", "0" * 31 + "9" * 32) == 1                  # far digits decide
 
 
 def test_no_single_deciding_token_and_unknown_kinds_are_errors(monkeypatch):
     """A kind where no single token decides has no evidence (and no bound); an unknown task or kind is an error
     naming the known ones, never another kind's rule."""
-    for name in ("lab-bottleneck", "lab-shortcut"):
+    for name in ("lab-bottleneck", "lab-shortcut", "lab-sum"):
         with pytest.raises(data.DataError, match="no single token decides"):
             data.lab_evidence(name, "a" * 63)
     with pytest.raises(data.DataError, match="unknown lab task 'lab-xor'; known: lab-reach"):
@@ -91,6 +95,18 @@ def test_shortcut_gives_the_label_away_in_training_only():
     assert set(t[0] for t, _ in dev) == set(data.LAB_NEEDLES)
 
 
+def test_sum_is_digits_alone_and_far_blocks_count():
+    """lab-sum: 63 digits from token 1 on (no letter, no needle), the label 1 iff their sum is over
+    283; the digits within block-sparse's window-1 reach (tokens 1-23) give the label for about
+    70% of texts only (their sum against its mean): the far blocks decide the rest."""
+    rows = data.generate_lab("lab-sum", 1000, seed=2)
+    assert all(t.isdigit() and len(t) == 63 for t, _ in rows)
+    assert all(y == int(sum(int(c) for c in t) > 283) for t, y in rows)
+    near = sum(int(sum(int(c) for c in t[:23]) > 23 * 4.5) == y for t, y in rows)
+    assert 620 < near < 800
+    assert set("".join(t for t, _ in rows)) == set("0123456789")
+
+
 def test_folder_generated_on_first_use(tmp_path):
     folder = str(tmp_path / "reach")
     os.makedirs(folder)                                                         # train.py asks that --data exists
@@ -108,6 +124,6 @@ def test_train_py_without_data_generates_the_lab_task(tmp_path, monkeypatch, cap
     """python train.py --task lab-reach: no --data needed; the set is generated once into data/lab-reach."""
     monkeypatch.chdir(tmp_path)
     train.main(["--task", "lab-reach", "--max-steps", "1", "--sar", "0", "--out", "o", "--layers", "1",
-                "--hidden", "16", "--heads", "2", "--ffn", "32", "--device", "cpu"])
+                "--hidden", "16", "--heads", "2", "--ffn", "32"])
     assert sorted(os.listdir(tmp_path / "data" / "lab-reach")) == ["dev.tsv", "spec.json", "train.tsv"]
     assert "task lab-reach: 20000 train / 1000 dev examples" in capsys.readouterr().out
