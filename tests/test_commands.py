@@ -44,7 +44,7 @@ LOOP = re.compile(r"^\s*for (\w+) in (.+); do\s*$")
 # a placeholder's value where its flag takes a number
 PLACEHOLDERS = {"S": "0"}
 # flags and tasks that an exercise of docs/exercises.md adds: a command using one runs after the exercise
-EXERCISE_NAMES = {"--gnet-mask": "exercise 4", "lab-order": "exercise 12"}
+EXERCISE_NAMES = {"--gnet-mask": "exercise 4", "lab-order": "exercise 12", "window-sweep": "exercise 14"}
 # spans that name a subcommand or a grid in prose, without the operands a command needs: the names they use
 MENTIONS = {"python model.py export": ["export"],
             "python model.py export --hf": ["export"],
@@ -209,7 +209,8 @@ def runs_started(folder):
 
 def test_the_lab_loop_with_dry_run_at_its_end_runs_nothing(tmp_path):
     """The printed loop, --out moved to a test folder and --dry-run appended at the end, through a shell: its
-    runs' commands (train.py with --window 2, one per seed of the row) and no run."""
+    runs' commands (train.py with --window 2 in place of the lab's --window 1, one per seed of the row) and no
+    run."""
     command = lab_loop().replace("python ", shlex.quote(sys.executable) + " ", 1)
     out = str(tmp_path / "mine")
     done = subprocess.run(["bash", "-c", f"{command} --out {shlex.quote(out)} --dry-run"], cwd=ROOT,
@@ -218,8 +219,14 @@ def test_the_lab_loop_with_dry_run_at_its_end_runs_nothing(tmp_path):
     planned = [line for line in done.stdout.splitlines() if line.startswith("$ ")]
     assert len(planned) == len(experiments.LAB_SEEDS["lab-reach"])
     script = " " + os.path.join(ROOT, "train.py") + " "
-    assert all(script in p and " --window 2 --out " + out in p for p in planned), planned
+    assert all(script in p and " --out " + out + "/" in p and one_window_2(p) for p in planned), planned
     assert runs_started(out) == []
+
+
+def one_window_2(command):
+    """The command gives --window once, and 2."""
+    words = shlex.split(command)
+    return words.count("--window") == 1 and words[words.index("--window") + 1] == "2"
 
 
 def test_dry_run_before_extra_runs_nothing(tmp_path, capfd, monkeypatch):
@@ -231,7 +238,7 @@ def test_dry_run_before_extra_runs_nothing(tmp_path, capfd, monkeypatch):
     experiments.main(argv)
     planned = [line for line in capfd.readouterr().out.splitlines() if line.startswith("$ ")]
     assert len(planned) == len(experiments.LAB_SEEDS["lab-reach"])
-    assert all(" --window 2 --out " + out in p for p in planned), planned
+    assert all(one_window_2(p) and " --out " + out + "/" in p for p in planned), planned
     assert runs_started(out) == []
 
 
