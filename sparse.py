@@ -165,8 +165,9 @@ def gather_keys(c, kidx, m):
 
 # One small attention over any leading layout (methods.md §1):
 #     S = q k^T / sqrt(d_h),   A = softmax(S masked by valid),   out = A V
-# AttendOut's mask_fn makes S' = S - 10000 (1 - M) (methods.md §3.1). A masked score gets the
-# dtype's minimum in place, outside autograd (gradient 0); a row with no valid key gives 0.
+# A method on the logits turns S into S' = mask_fn(S, ..) (methods.md §3: AttendOut's masked pass,
+# S - 10000 (1 - M), in fp32 under bf16). A masked score gets the dtype's minimum in place, outside
+# autograd (gradient 0); a row with no valid key gives 0. A meets V in V's dtype.
 def _attend(q, k, v, valid, dropout_p, mask_fn, pair_scores, real_rows):
     """q [.., Q, d], k, v [.., K, d], valid bool [.., Q, K], real_rows [.., Q, 1] -> [.., Q, d]."""
     invalid = ~valid
@@ -178,7 +179,7 @@ def _attend(q, k, v, valid, dropout_p, mask_fn, pair_scores, real_rows):
     a = a.softmax(dim=-1)                                                       # A: [.., Q, K]
     if dropout_p > 0:
         a = F.dropout(a, dropout_p, training=True)
-    out = torch.matmul(a, v)                                                    # [.., Q, d]
+    out = torch.matmul(a.to(v.dtype), v)                                        # [.., Q, d]
     return out.masked_fill(invalid.all(dim=-1, keepdim=True), 0.0)
 
 # The body of block_sparse_attention (L = n) and hst_attention (with_reps, L = n + m over [X; R]).

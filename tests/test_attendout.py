@@ -597,3 +597,23 @@ def test_a_fully_masked_row_is_unchanged_under_bf16_too():
     S32 = S.float()
     M_ = (G > 0).float()
     assert torch.equal(mod.hook(None)(S32, valid, lambda a, c: G), S32 + ((M_ - 1) * ao.MASKED).to(S32.dtype))
+
+
+@pytest.mark.parametrize("kernel", ["dense", "sparse", "hst"])
+def test_the_kernels_take_the_fp32_masked_logits_of_bf16_inputs(kernel):
+    # bf16 q, k, v (no autocast): the fp32 S' meets V in V's dtype, and a fully masked row is the plain row
+    torch.manual_seed(0)
+    B, H, n, b = 1, 2, 8, 4
+    L = n + n // b if kernel == "hst" else n
+    q, k, v = (torch.randn(B, H, L, 4).bfloat16() for _ in range(3))
+    mod = ao.AttendOut(tiny_config(hidden_size=8))
+    ao.begin_forward(torch.nn.ModuleList([mod]))
+    mod.gnet.features = lambda x: (-torch.ones(B, 1, L, 1), torch.ones(B, 1, L, 1))   # G < 0: every pair masked
+    if kernel == "dense":
+        out, plain = M.dense_attention(q, k, v, mask_fn=mod.hook(None)), M.dense_attention(q, k, v)
+    else:
+        attend = sparse.hst_attention if kernel == "hst" else sparse.block_sparse_attention
+        kw = dict(block_size=b, window=1, num_global=1, num_random=0)
+        out, plain = attend(q, k, v, mask_fn=mod.hook(None), **kw), attend(q, k, v, **kw)
+    assert out.dtype == torch.bfloat16 and mod.full_row_rate() == 1.0
+    assert torch.allclose(out.float(), plain.float(), atol=2e-2)
