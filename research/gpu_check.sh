@@ -1,62 +1,57 @@
 #!/usr/bin/env bash
-# research/gpu_check.sh: everything this project wants from a lent GPU (one H200), in one go, under 8 minutes:
-#   1. the CUDA-only tests (FlexAttention gradients vs the gather kernel, bf16 steps) and the CPU-side
-#      precision / device / Flex tests, on this machine;
-#   2. the demo (`python train.py`: ListOps, HST + SAR + AttendOut) on the GPU, with its wall time;
-#   3. `python research/bench.py --device cuda --only throughput`: bf16 tokens/s and MFU at 4k and 16k for
-#      dense SDPA, sparse through FlexAttention and (with attention dropout) through the gather kernel, and HST.
-# All figures go to ONE file: the first argument, else $OUT/gpu_check.md (the device tool's folder), else
-# ./gpu_check.md. Each part has its own time limit, so one that hangs cannot eat the others' time.
-#   bash research/gpu_check.sh [FILE]            # on the GPU machine
-#   bash research/gpu_check.sh FILE --dry-run    # on a CPU: the same steps, tiny (checks the script itself)
+# research/gpu_check.sh: proves the GPU path in one call of at most 10 minutes (docs/results.md,
+# "The GPU check"). Each part is `python research/gpu_check.py PART` in a process of its own, under
+# its own time limit, so one that hangs cannot eat the others' time. Each prints ONE line:
+#   ok   PART: its figures
+#   FAIL PART (exit N, or: past its time limit of S s), then the part's last lines
+# The parts: the CUDA tests; flex against the gather kernel at 10 lengths, with its compile count;
+# a bf16 fully masked row; the demo, shortened (examples/s, peak memory); --compile with HST;
+# resume (CPU: bit-identical; CUDA: the step reached, the weights' relative difference); predict
+# on CUDA against the CPU; the bench's GPU figures (MFU, sparse against dense at 16k).
+#   bash research/gpu_check.sh [REPORT]          # on the GPU machine; REPORT: $OUT/gpu_check.md
+#   bash research/gpu_check.sh --cpu [REPORT]    # the rehearsal on the CPU (the suite runs it)
+# Exit status: 0 when every part is ok, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.."
+device=cuda
+if [ "${1:-}" = "--cpu" ]; then
+  device=cpu
+  shift
+fi
 report=${1:-${OUT:-.}/gpu_check.md}
-dry=${2:-}
 mkdir -p "$(dirname "$report")"
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 : > "$report"
 say() { echo "$@" | tee -a "$report"; }
 
-# part NAME LIMIT_S COMMAND...: run with a time limit, keep the tail of its output in the report
-part() {
-  local name=$1 limit=$2; shift 2
-  say ""; say "## $name"; say ""; say '```'
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$work/out.txt" 2>&1
-  local rc=$?
-  tail -n 60 "$work/out.txt" | tee -a "$report"
-  say '```'
-  say "exit $rc$([ $rc = 124 ] && echo ' (time limit)'), $((SECONDS - t0)) s"
-}
+# The parts, in order (predict reads the demo's checkpoint), each with its time limit in seconds.
+# The limits add up to 560 s: with Python's starts the whole call stays under 10 minutes.
+parts="tests:100 flex:60 bf16-row:20 demo:80 compile:90 resume:60 predict:40 bench:110"
 
-say "# gpu_check $(date -u '+%Y-%m-%d %H:%M UTC')"
-say ""
-python - <<'PY' 2>&1 | tee -a "$report"
-import torch
-print("torch", torch.__version__, "| CUDA", torch.version.cuda, "|",
-      torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
-PY
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$report"
-
-if [ "$dry" = "--dry-run" ]; then          # CPU: the same three parts, tiny
-  part "tests (dry run)" 300 python -m pytest -q -x tests/test_cuda.py tests/test_flex.py
-  part "demo (dry run: 2 steps on the CPU)" 300 python train.py --out "$work/demo" --max-steps 2 --device cpu
-  part "bench (dry run: --quick, CPU)" 300 \
-    python research/bench.py --quick --only throughput,hst --rounds 1 --json "$work/bench.json"
-  exit 0
-fi
-
-# 1. tests: the CUDA ones, then the CPU-side ones that guard the CUDA path (about a minute)
-part "tests: CUDA-only, Flex, precision, devices" 150 \
-  python -m pytest -q -x tests/test_cuda.py tests/test_flex.py tests/test_precision.py tests/test_devices.py
-
-# 2. the demo: `python train.py` (every default is the demo's), in a scratch run folder
-part "demo: python train.py on the GPU" 150 bash -c "time python train.py --out $work/demo"
-[ -f "$work/demo/final.json" ] && { say ""; say "final.json:"; cat "$work/demo/final.json" | tee -a "$report"; }
-
-# 3. throughput, bf16: dense / sparse (Flex) / sparse (gather) / HST at 4k and 16k, one fresh process each
-part "bench: python research/bench.py --device cuda --only throughput" 240 \
-  python research/bench.py --device cuda --only throughput --json "${OUT:-$work}/bench_cuda.json"
-say ""
-say "done in $SECONDS s"
+say "# gpu_check on $device, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD)"
+python -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|',
+  torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" \
+  | tee -a "$report"
+failed=0
+for entry in $parts; do
+  name=${entry%%:*}
+  limit=${entry##*:}
+  t0=$SECONDS
+  timeout "$limit" python research/gpu_check.py "$name" --device "$device" --work "$work" \
+    > "$work/$name.txt" 2>&1
+  rc=$?
+  took=$((SECONDS - t0))
+  line=$(grep "^ok $name: " "$work/$name.txt" | tail -n 1)
+  if [ $rc = 0 ] && [ -n "$line" ]; then
+    say "$line ($took s)"
+  else
+    failed=1
+    why="exit $rc"
+    [ $rc = 124 ] && why="past its time limit of $limit s"
+    say "FAIL $name ($why, $took s); its last lines:"
+    tail -n 15 "$work/$name.txt" | sed 's/^/    /' | tee -a "$report"
+  fi
+done
+say "$([ $failed = 0 ] && echo 'every part ok' || echo 'some parts FAILED') in $SECONDS s"
+exit $failed
