@@ -178,17 +178,22 @@ class AttendOut(nn.Module):
 
         return mask_fn
 
-    # this layer's share of real pairs masked in the last masked pass (nan: none ran)
-    def mask_rate(self):
-        if self.pairs is None or self.pairs == 0:
-            return math.nan
-        return float(1 - self.kept.detach() / self.pairs)
+    # The rates of the last masked pass, 0-d tensors left on the device, so that a training step
+    # reads nothing off it (train.py reads them once per logged step); nan where none ran (a
+    # layer LayerDrop skipped, a forward without the masked pass).
+    def share(self, part, whole):
+        if whole is None:
+            return torch.tensor(math.nan, device=self.gnet.weight.device)
+        return torch.where(whole > 0, part / whole, math.nan)
 
-    # this layer's share of real query rows whose every real key is masked (nan: none ran)
+    # this layer's share of real pairs masked in the last masked pass
+    def mask_rate(self):
+        kept = None if self.kept is None else self.kept.detach()
+        return 1 - self.share(kept, self.pairs)
+
+    # this layer's share of real query rows whose every real key is masked
     def full_row_rate(self):
-        if self.rows is None or self.rows == 0:
-            return math.nan
-        return float(self.full_rows / self.rows)
+        return self.share(self.full_rows, self.rows)
 
     # this layer's masked real pairs by key position, each position's share of them [L] (dense only)
     def masked_by_key(self):
@@ -231,21 +236,23 @@ def keep_reward(model, batch_size):
     return torch.stack(kept).sum() / batch_size
 
 
+# The model's rates, one per layer, on the device: [layers] each.
 def mask_rates(model):
-    return [m.mask_rate() for m in attendout_modules(model)]
+    return torch.stack([m.mask_rate() for m in attendout_modules(model)])
 
 
 def full_row_rates(model):
-    return [m.full_row_rate() for m in attendout_modules(model)]
+    return torch.stack([m.full_row_rate() for m in attendout_modules(model)])
 
 
 # Where the masks fall (dense attention): per layer, each key position's share of the masked real
-# pairs; None for a sparse or HST layout, whose key axis holds gathered blocks, not positions.
+# pairs, [layers, L] on the device; None for a sparse or HST layout, whose key axis holds gathered
+# blocks, not positions.
 def masked_by_key(model):
     shares = [m.masked_by_key() for m in attendout_modules(model)]
     if any(share is None for share in shares):
         return None
-    return torch.stack(shares).tolist()                  # [layers, L], read off the device at once
+    return torch.stack(shares)
 
 
 # A copy of state_dict without the G-Nets (every key with a 'gnet' component): export drops them.

@@ -732,28 +732,15 @@ def classify_loss(model, batch, args, task, tok):
     parts.update(attendout_rates(raw))                   # "mask", "full_rows", "masked_by_key"
     return loss + keep, parts
 
-# AttendOut's numbers of this forward for the log, on the device (section 6 reads them): each
-# layer's share of real pairs masked, 1 - kept / pairs ("mask"), and of real query rows with every
-# key masked ("full_rows"), nan for a layer whose masked pass did not run (LayerDrop); under dense
-# attention each layer's masked pairs by key position ("masked_by_key", [layers, L]). The values
-# of attendout.mask_rates, full_row_rates and masked_by_key, without their read off the device.
+# AttendOut's numbers of this forward for the log, left on the device (section 6 reads them):
+# each layer's share of real pairs masked ("mask") and of real query rows with every key masked
+# ("full_rows"), nan for a layer whose masked pass did not run (LayerDrop); under dense attention
+# each layer's masked pairs by key position ("masked_by_key", [layers, L]).
 def attendout_rates(raw):
-    layers = attendout.attendout_modules(raw)
-    device = next(raw.parameters()).device
-    nan = torch.full((), math.nan, device=device)
-    mask = []
-    full_rows = []
-    for m in layers:
-        if m.pairs is None:                              # a layer LayerDrop skipped
-            mask.append(nan)
-            full_rows.append(nan)
-            continue
-        mask.append(torch.where(m.pairs > 0, 1 - m.kept.detach() / m.pairs, nan))
-        full_rows.append(torch.where(m.rows > 0, m.full_rows / m.rows, nan))
-    rates = {"mask": torch.stack(mask), "full_rows": torch.stack(full_rows)}   # [layers] each
-    by_key = [m.masked_by_key() for m in layers]
-    if all(share is not None for share in by_key):
-        rates["masked_by_key"] = torch.stack(by_key)    # [layers, L]
+    rates = {"mask": attendout.mask_rates(raw), "full_rows": attendout.full_row_rates(raw)}
+    by_key = attendout.masked_by_key(raw)
+    if by_key is not None:
+        rates["masked_by_key"] = by_key
     return rates
 
 def task_loss(logits, labels, regression=False):         # methods.md §1

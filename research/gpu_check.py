@@ -121,7 +121,7 @@ def part_bf16_row(device, work):
     valid = torch.ones(1, 1, 6, 6, dtype=torch.bool, device=device)
     S_masked = mask_fn(S, valid, lambda a, c: a @ c.transpose(-1, -2))
     gap = (S_masked.float().softmax(-1) - S.float().softmax(-1)).abs().max().item()
-    if layer.full_row_rate() != 1.0 or gap > 1e-2:
+    if layer.full_row_rate().item() != 1.0 or gap > 1e-2:
         raise SystemExit(f"a fully masked bf16 row moved by {gap:.3f} (want <= 1e-2)")
     return f"every row masked, softmax(S') - softmax(S) at most {gap:.1e} in bf16"
 

@@ -82,7 +82,7 @@ def test_backbone_gradient_is_the_true_gradient(attention):
                 + net.cfg.gnet_tau ** 2 * attendout.keep_reward(net, ids.size(0)))
 
     loss().backward()
-    assert 0 < attendout.mask_rates(net)[1] < 1       # layer 1's mask depends on w (through its input)
+    assert 0 < attendout.mask_rates(net)[1].item() < 1       # layer 1's mask depends on w (through its input)
     direction = torch.randn_like(w)
     analytic = (w.grad * direction).sum().item()
     eps = 1e-6

@@ -154,7 +154,7 @@ def test_stacked_views_put_the_masked_view_last_on_the_original_topology():
     assert len(z) == 3 and all(zi.shape == (3, 3) for zi in z)
     assert torch.allclose(z[2], z[0], atol=1e-5)
     assert sar.consistency(z[0], z[1]).item() > 1e-6
-    assert [layer.attn.drop.mask_rate() for layer in model.layers] == [0.0, 0.0]   # the masked pass ran
+    assert [layer.attn.drop.mask_rate().item() for layer in model.layers] == [0.0, 0.0]   # the masked pass ran
 
 
 def test_consistency_is_symmetric_kl_and_squared_difference():
