@@ -1137,8 +1137,9 @@ def check_not_input(out, flag, inputs):
         inside = os.path.isdir(path) and os.path.samefile(os.path.dirname(os.path.realpath(out)),
                                                           path)
         if same or inside:
-            data.fail(f"{flag} {out}: is {what} {path}, which this command reads; give another "
-                      "file to write")
+            where = "is" if same else "lies in"
+            data.fail(f"{flag} {out}: {where} {what} {path}, which this command reads; give "
+                      "another file to write")
 
 # An output the command may write: not a folder (unless it writes one), not there already (unless
 # --force: a checkpoint is precious; predictions and figures are replaced), in a folder that exists.

@@ -12,20 +12,10 @@ import torch
 import sar
 import train
 from tests.test_precision import tiny_batch, tiny_model
+from tests.test_train import run_main
 
 TINY = ["--device", "cpu", "--init", "scratch", "--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64",
         "--batch-size", "8", "--block-size", "4"]
-
-
-def run_main(argv, capfd):
-    """train.main in-process -> (exit code, stderr lines that are not blank)."""
-    try:
-        train.main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    _, err = capfd.readouterr()
-    return code, [line for line in err.splitlines() if line.strip()]
 
 
 def test_logits_are_fp32_under_bf16_autocast():
@@ -47,7 +37,7 @@ def test_resume_on_fewer_gpus_restores_what_it_can(listops_dir, tmp_path, capfd,
     there: a traceback), and one warning line says so. Run with --device cpu; CUDA's generators are stand-ins."""
     argv = ["--task", "listops", "--data", listops_dir, "--out", str(tmp_path), *TINY, "--max-steps", "2",
             "--attn-dropout", "standard", "--sar", "0"]
-    code, err = run_main(argv, capfd)
+    code, _, err = run_main(argv, capfd)
     assert code == 0 and err == []
     path = tmp_path / "ckpt_last.pt"
     ckpt = torch.load(path, weights_only=True)
@@ -59,7 +49,7 @@ def test_resume_on_fewer_gpus_restores_what_it_can(listops_dir, tmp_path, capfd,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [saved[0]])
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
-    code, err = run_main(argv + ["--resume"], capfd)
+    code, _, err = run_main(argv + ["--resume"], capfd)
     assert code == 0, err
     assert [int(state[0]) for state, _ in restored] == [7] and restored[0][1] in (0, "cuda", "cuda:0")
     assert len(err) == 1 and err[0].startswith("warning: --resume: "), err
@@ -103,7 +93,7 @@ def test_a_step_that_does_not_log_reads_the_device_at_most_twice(listops_dir, tm
     monkeypatch.setattr(train, "train_step", train_step)
     argv = ["--task", "listops", "--data", listops_dir, "--out", str(tmp_path), *TINY, "--max-steps", "3",
             "--log-every", "3", "--save-every", "0", "--eval-every", "0", *flags]
-    code, err = run_main(argv, capfd)
+    code, _, err = run_main(argv, capfd)
     assert code == 0, err
     assert 1 <= len(counted["where"]) <= 2, counted["where"]
     assert ("tolist", "train.py") in [where[:2] for where in counted["where"]]    # the finiteness check
