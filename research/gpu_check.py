@@ -231,26 +231,37 @@ def part_resume(device, work):
 
 
 # -----------------------------------------------------------------------------
-# predict: the demo's best checkpoint on its dev file, on this device and on the CPU: the share
-# of labels that agree and the largest probability difference (bf16 on CUDA, fp32 on the CPU).
+# predict: the demo's best checkpoint on its dev file. Its accuracy must be the one evaluation gave
+# that checkpoint (final.json's best_dev: the same batches, the same device); on a GPU, its labels
+# and probabilities are also compared with the CPU's (bf16 there, fp32 here).
+
+def predict_file(ckpt, dev, where, work):
+    out = os.path.join(work, f"predict_{where.replace(':', '_')}.jsonl")
+    printed = run(["model.py", "predict", ckpt, dev, "--out", out, "--device", where])
+    acc = float(re.search(r"acc ([0-9.]+)%", printed).group(1))
+    with open(out) as f:
+        return acc, [json.loads(line) for line in f]
+
 
 def part_predict(device, work):
     ckpt = os.path.join(work, "demo", "ckpt_best.pt")
     dev = os.path.join(ROOT, "data", "listops-demo", "basic_val.tsv")    # the demo's dev file
-    probs = {}
-    for where in (str(device), "cpu"):
-        out = os.path.join(work, f"predict_{where.replace(':', '_')}.jsonl")
-        run(["model.py", "predict", ckpt, dev, "--out", out, "--device", where])
-        with open(out) as f:
-            probs[where] = [json.loads(line) for line in f]
-    here, cpu = probs[str(device)], probs["cpu"]
+    with open(os.path.join(work, "demo", "final.json")) as f:
+        best = 100 * json.load(f)["best_dev"]
+    acc, here = predict_file(ckpt, dev, str(device), work)
+    figure = f"{len(here)} dev lines on {device}: acc {acc:.1f}%, evaluation's {best:.1f}%"
+    if abs(acc - best) > (0.05 if device.type == "cpu" else 0.5):
+        raise SystemExit(f"predict does not score as evaluation did: {figure}")
+    if device.type == "cpu":
+        return figure
+    _, cpu = predict_file(ckpt, dev, "cpu", work)
     agree = sum(a["label"] == b["label"] for a, b in zip(here, cpu)) / len(cpu)
     gap = max(abs(a["probs"][name] - p)
               for a, b in zip(here, cpu) for name, p in b["probs"].items())
+    figure += f"; against the CPU: {agree:.1%} of labels agree, probabilities within {gap:.1e}"
     if agree < 0.95 or gap > 0.1:
-        raise SystemExit(f"{device} and the CPU disagree: {agree:.1%} labels, probs {gap:.3f}")
-    return f"{len(cpu)} dev lines, {device} against the CPU: {agree:.1%} of labels agree, " \
-           f"probabilities within {gap:.1e}"
+        raise SystemExit(f"{device} and the CPU disagree: {figure}")
+    return figure
 
 
 # -----------------------------------------------------------------------------
