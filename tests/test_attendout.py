@@ -322,9 +322,9 @@ def test_the_loss_is_ce_plus_consistency_plus_tau_squared_kept(listops_dir, tmp_
         losses[tau] = (loss.item(), parts)
     parts = losses[0.5][1]
     assert parts["mask_consistency"] > 0 and parts["kept"] > 0
-    assert losses[0.5][0] == pytest.approx(parts["ce"] + parts["mask_consistency"] + 0.25 * parts["kept"],
+    assert losses[0.5][0] == pytest.approx((parts["ce"] + parts["mask_consistency"] + 0.25 * parts["kept"]).item(),
                                            rel=1e-5)
-    assert losses[1.0][0] - losses[0.5][0] == pytest.approx(0.75 * parts["kept"], rel=1e-4)  # tau reaches
+    assert losses[1.0][0] - losses[0.5][0] == pytest.approx(0.75 * parts["kept"].item(), rel=1e-4)  # tau reaches
 
 
 def test_a_run_logs_consistency_and_one_rate_per_layer(listops_dir, tmp_path):

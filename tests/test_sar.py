@@ -103,8 +103,8 @@ def test_alpha_weighs_the_consistency_in_the_loss_train_py_optimises(method):
     assert [parts[k] for k in same] == [parts2[k] for k in same]    # the same views in both calls
     assert (parts["loss"], parts2["loss"]) == (loss1, loss2)        # the logged loss is the optimised one
     assert parts["consistency"] > 1e-6                       # the views differ: alpha has something to weigh
-    assert loss1 == pytest.approx(parts["ce"] + parts["consistency"], rel=1e-6)
-    assert loss2 - loss1 == pytest.approx(parts["consistency"], rel=1e-4)
+    assert loss1 == pytest.approx((parts["ce"] + parts["consistency"]).item(), rel=1e-6)
+    assert loss2 - loss1 == pytest.approx(parts["consistency"].item(), rel=1e-4)
     torch.manual_seed(0)                                     # the CE part: the method's own
     z0, z1 = sar.stacked_views(model, b, second=1 if method == "--sar" else 0)
     ce0 = F.cross_entropy(z0, b["labels"]).item()

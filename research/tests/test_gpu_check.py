@@ -10,19 +10,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PARTS = ["tests", "flex", "bf16-row", "demo", "compile", "resume", "predict", "bench"]
 
 
-def test_the_cpu_rehearsal_ends_with_every_part_ok(tmp_path):
-    report = tmp_path / "gpu_check.md"
-    p = subprocess.run(["bash", "research/gpu_check.sh", "--cpu", str(report)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    lines = p.stdout.strip().splitlines()
-    assert p.returncode == 0, p.stdout + p.stderr
+def test_the_cpu_rehearsal_ends_with_every_part_ok(request):
+    """conftest.py started `bash research/gpu_check.sh --cpu REPORT` when the tests were collected."""
+    process, printed, report = request.config.gpu_check
+    process.wait(timeout=600)
+    with open(printed) as f:
+        output = f.read()
+    lines = output.strip().splitlines()
+    assert process.returncode == 0, output
     parts = [line for line in lines if line.startswith(("ok ", "FAIL "))]
     assert [line.split()[1].rstrip(":") for line in parts] == PARTS
     assert all(line.startswith("ok ") for line in parts)
     assert "compiles over 10 lengths" in parts[1] and "0 graph break(s)" in parts[4]
     assert "relative difference from the uninterrupted run 0.0e+00" in parts[5]
     assert lines[-1].startswith("every part ok in ")
-    assert report.read_text().strip().splitlines() == lines          # the report holds the same
+    with open(report) as f:
+        assert f.read().strip().splitlines() == lines                   # the report holds the same
 
 
 def test_a_failing_part_says_fail_with_its_last_lines(tmp_path):
