@@ -109,11 +109,15 @@ def stacked_views(model, batch, second=None, masked=False):
     mask = batch["attention_mask"]
     types = batch.get("token_type_ids")
     raw = getattr(model, "module", model)                # the Model, also under DDP
-    pos = raw.position_ids(ids)                          # the content's positions, in every view
+    # The content's positions, given to the model only with SAR's shifted view: the model checks
+    # given positions against its table, a read off the device (Model.encode), and computes the
+    # same ones itself for the views on the original topology.
+    shifting = second is not None and second > 0
+    pos = raw.position_ids(ids) if shifting else None
     views = [(ids, mask, pos, types)]
 
     # SAR: the shifted topology, [B, L + s]; the original padded at the end to the same length
-    if second is not None and second > 0:
+    if shifting:
         pad = raw.cfg.pad_id
         shifted = shift(ids, mask, second, pad, pos, types)
         right = (0, second)
@@ -140,11 +144,6 @@ def stacked_views(model, batch, second=None, masked=False):
         else:
             stacked.append(torch.cat([view[i] for view in views], dim=0))
     ids, mask, pos, types = stacked
-    # Views on the original topology take the model's own positions (the same): the model checks
-    # given positions against its table, a read off the device (Model.encode), which only SAR's
-    # shifted view needs.
-    if second is None or second == 0:
-        pos = None
     z = model(ids, mask, types, pos, views=len(views), masked=masked)    # [views B, ...]
     return list(z.chunk(len(views), dim=0))
 
