@@ -385,9 +385,8 @@ def shifted_scores(fs, dirs):
 
 
 SPARSE_HEADER = ("dev acc (%) | per seed (%) | shifted, mean over s (%) | shifted, worst s (%) | "
-                 "drop under shift "
-                 "(points) | paired diff to hst (points, 95% CI) | same, worst s | same, drop | "
-                 "time per run (s)")
+                 "drop under shift (points) | paired diff to hst (points, 95% CI) | same, worst s "
+                 "| same, drop | time per run (s)")
 
 
 def sparse_cells(raw, name):
@@ -397,10 +396,9 @@ def sparse_cells(raw, name):
     # shows a run left at the majority class
     per_seed = " / ".join(f"{100 * x:.1f}" for x in cols["acc"])
     return (f"{fmt(cols['acc'])} | {per_seed} | {fmt(cols['acc_shift_mean'])} | "
-            f"{fmt(cols['acc_shift_worst'])} "
-            f"| {fmt(cols['shift_drop'])} | {diff('acc')} | {diff('acc_shift_worst')} | "
-            f"{diff('shift_drop')} "
-            f"| {statistics.mean(cols['wall_time_s']):.0f}")
+            f"{fmt(cols['acc_shift_worst'])} | {fmt(cols['shift_drop'])} | {diff('acc')} | "
+            f"{diff('acc_shift_worst')} | {diff('shift_drop')} | "
+            f"{statistics.mean(cols['wall_time_s']):.0f}")
 
 
 # -----------------------------------------------------------------------------
@@ -480,14 +478,11 @@ def listops_grid(a):
     table = [f"| attention | {SPARSE_HEADER} |", "|---" * 10 + "|",
              *[f"| {ran_as(name, finals[name])} | {sparse_cells(raw, name)} |" for name in raw]]
     note = (f"Generated ListOps (data.write_listops({LISTOPS[a.experiment][0]})); majority-class "
-            f"baseline "
-            f"{100 * f0['majority_baseline']:.1f}%. Seeds {a.seeds}; mean +- std over seeds of "
-            f"the final weights' "
-            f"dev accuracy; paired difference to hst with a 95% t-interval over seeds. Shifted: "
-            f"every s = 1 .. "
-            f"{f0['config']['block_size'] - 1} (train.py --eval-shift all; dense: s = 1 alone, a "
-            f"shift moves no "
-            f"block boundary). Flags: {' '.join(merge_flags(LISTOPS[a.experiment][1], a.extra))}")
+            f"baseline {100 * f0['majority_baseline']:.1f}%. Seeds {a.seeds}; mean +- std over "
+            "seeds of the final weights' dev accuracy; paired difference to hst with a 95% "
+            f"t-interval over seeds. Shifted: every s = 1 .. {f0['config']['block_size'] - 1} "
+            "(train.py --eval-shift all; dense: s = 1 alone, a shift moves no block boundary). "
+            f"Flags: {' '.join(merge_flags(LISTOPS[a.experiment][1], a.extra))}")
     write_table(a, "results_" + a.experiment.replace("-", "_"), table, note, raw)
 
 
@@ -516,10 +511,9 @@ def listops_candidates(a, folder):
                for step in steps],
              f"| time per run (s) | {' | '.join(f'{w:.0f}' for w in walls.values())} |"]
     note = (f"Dev accuracy (%) on the original topology; hst attention, seed {s}; majority-class "
-            f"baseline "
-            f"{100 * f['majority_baseline']:.1f}%. Candidates: "
-            f"{({n: LONG_CANDIDATES[n] for n in curves})}. "
-            f"Flags: {' '.join(merge_flags(LONG_COMMON + LONG_CURVE + LONG_TOPOLOGY, a.extra))}")
+            f"baseline {100 * f['majority_baseline']:.1f}%. Candidates: "
+            f"{({n: LONG_CANDIDATES[n] for n in curves})}. Flags: "
+            f"{' '.join(merge_flags(LONG_COMMON + LONG_CURVE + LONG_TOPOLOGY, a.extra))}")
     write_table(a, "results_listops_long_candidates", table, note, {"curves": curves,
                                                                     "wall_time_s": walls})
 
@@ -595,18 +589,13 @@ def listops_long_probe(a):
              f"{' | '.join(f'{100 * window_change(sh, b):.1f}' for sh in shifts)} |", *rows]
     shortcut = ", ".join(f"{tok.SYMBOLS[op]} -> {y}" for op, y in sorted(rule.items()))
     note = (f"Each run's final weights (ckpt_last.pt), the {len(task.dev['dev'])} dev sequences. "
-            f"Answers fixed by "
-            f"the outermost operator: the share of sequences whose prediction is the model's "
-            f"commonest prediction "
-            f"for that sequence's first operator token (100% = the answer is a function of that "
-            f"one token); "
-            f"predicting each operator's commonest training label scores {100 * rule_acc:.1f}% "
-            f"({shortcut}). "
-            f"Shift cells: predictions the shift changes (%) / symmetric KL between the original "
-            f"and the shifted "
-            f"outputs (mean). The first row: the share of a token's window keys the shift "
-            f"replaces, "
-            f"2 s (b - s) / (3 b^2) with b = {b}.")
+            "Answers fixed by the outermost operator: the share of sequences whose prediction is "
+            "the model's commonest prediction for that sequence's first operator token (100% = "
+            "the answer is a function of that one token); predicting each operator's commonest "
+            f"training label scores {100 * rule_acc:.1f}% ({shortcut}). Shift cells: predictions "
+            "the shift changes (%) / symmetric KL between the original and the shifted outputs "
+            "(mean). The first row: the share of a token's window keys the shift replaces, 2 s (b "
+            f"- s) / (3 b^2) with b = {b}.")
     write_table(a, "results_listops_long_shift_probe", table, note, raw)
 
 
@@ -794,12 +783,10 @@ def pretrained_note(a, extra=""):
                          f"{PRE_SETTINGS[s][1]} epoch(s)"
                          for s in a.settings)
     return (f"Fine-tuned from {a.init}; {settings} (lowres: the first {SUBSAMPLE} lines after "
-            f"random.Random("
-            f"{SUBSAMPLE_SEED}).shuffle, write_subsample). Seeds {a.seeds}; mean +- std over "
-            f"seeds of the final "
-            f"weights' dev accuracy; paired difference to the baseline row with a 95% t-interval "
-            f"over seeds. "
-            f"{extra}Flags: {' '.join(merge_flags(PRE_COMMON, a.extra))}")
+            f"random.Random({SUBSAMPLE_SEED}).shuffle, write_subsample). Seeds {a.seeds}; mean +- "
+            "std over seeds of the final weights' dev accuracy; paired difference to the baseline "
+            f"row with a 95% t-interval over seeds. {extra}Flags: "
+            f"{' '.join(merge_flags(PRE_COMMON, a.extra))}")
 
 
 def pretrained_sparse(a):
@@ -845,12 +832,12 @@ def pretrained_attendout(a):
         diff = fmt_diff(raw[f"{ds}-{setting}"]["standard"], acc)
         rows.append(f"| {ds} | {setting} | {ran_as(name, fs)} | {fmt(acc)} | {diff} "
                     f"| {statistics.mean(f['wall_time_s'] for f in fs):.0f} |")
-    table = ["| data | setting | attention dropout | dev acc (%) | paired diff to standard, 95% "
-             "CI (points) "
-             "| time per run (s) |", "|---|---|---|---|---|---|", *rows]
+    header = ("| data | setting | attention dropout | dev acc (%) "
+              "| paired diff to standard, 95% CI (points) | time per run (s) |")
+    table = [header, "|---|---|---|---|---|---|", *rows]
     contrasts = [f"| {key} | attendout - {other} | {fmt_diff(r[other], r['attendout'])} |"
-                 for key,
-                 r in raw.items() for other in CONTRASTS if other in r and "attendout" in r]
+                 for key, r in raw.items() for other in CONTRASTS
+                 if other in r and "attendout" in r]
     if contrasts:                                        # the two rows paired by seed
         table += ["", "| data-setting | contrast (row - row) | paired diff, 95% CI (points) |",
                   "|---|---|---|",
@@ -1051,13 +1038,11 @@ def lab_rows(a):
 def lab_note(a):
     """lab.md's last line: the command, its time, and what every run shares."""
     return (f"Command: `python research/experiments.py {command_line(a)}` "
-            f"({time.time() - a.t0:.0f}s here "
-            f"at --jobs {a.jobs}, runs already done skipped). Every run: `python train.py` with "
-            f"{' '.join(merge_flags(LAB_COMMON, a.extra))}, and its row's task, attention, "
-            f"--num-global, "
-            f"--views, --ce, --sar, --attn-dropout, --gnet-lr and --max-steps (steps column); "
-            f"lab-boundary "
-            f"adds --eval-shift all; data: data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.")
+            f"({time.time() - a.t0:.0f}s here at --jobs {a.jobs}, runs already done skipped). "
+            f"Every run: `python train.py` with {' '.join(merge_flags(LAB_COMMON, a.extra))}, and "
+            "its row's task, attention, --num-global, --views, --ce, --sar, --attn-dropout, "
+            "--gnet-lr and --max-steps (steps column); lab-boundary adds --eval-shift all; data: "
+            f"data.write_lab with data.LAB_SIZES {data.LAB_SIZES}.")
 
 
 def lab_record(name, seed, final, folder):
@@ -1085,8 +1070,8 @@ def lab_record(name, seed, final, folder):
               "steps": args["max_steps"], "seed": seed, "dev_acc": 100 * dev["acc"],
               "shifted_mean": 100 * shifted["mean"]["acc"] if shifted else None,
               "shifted_worst": 100 * shifted["worst"]["acc"] if shifted else None,
-              "shifted_by": {s: 100 * m["acc"] for s,
-                             m in shifted["by"].items()} if shifted else None,
+              "shifted_by": ({s: 100 * m["acc"] for s, m in shifted["by"].items()}
+                             if shifted else None),
               "drop": 100 * (dev["acc"] - shifted["mean"]["acc"]) if shifted else None,
               "bound": bound, "wall_time_s": final["wall_time_s"]}
     if args["task"] == "lab-shortcut" and dropout == "attendout":
@@ -1191,8 +1176,8 @@ def lab_limits(key, base_runs, runs):
     n = len(runs)
     if key == "drop":
         return [([0.0] * n, "no drop under any shift")]
-    bounds = [x.get("bound") if x.get("bound") == y.get("bound") else None for x,
-              y in zip(base_runs, runs)]
+    bounds = [x.get("bound") if x.get("bound") == y.get("bound") else None
+              for x, y in zip(base_runs, runs)]
     floors = [([value] * n, name) for value, name in lab_floors(runs[0]["task"])]
     return [([100.0] * n, "the ceiling"), (bounds, "its bound"), *floors]
 
@@ -1216,12 +1201,11 @@ def lab_table(runs):
     by_row = runs_by_row(runs)
     col = lambda name, key: [r[key] / 100 for r in by_row[name].values() if r[key] is not None]
     show = lambda xs: fmt(xs) if xs else "-"
-    lines = ["| task | attention | global tokens | views | CE on | SAR alpha | attention dropout "
-             "| G-Net lr "
-             "| steps | dev acc per seed (%) | dev acc (%) | shifted, mean over s (%) | shifted, "
-             "worst s (%) "
-             "| drop: dev - shifted mean, 95% CI (points) | bound of the receptive field (%) "
-             "| time per run (s) |", "|---" * 16 + "|"]
+    header = ("| task | attention | global tokens | views | CE on | SAR alpha | attention dropout "
+              "| G-Net lr | steps | dev acc per seed (%) | dev acc (%) | shifted, mean over s (%) "
+              "| shifted, worst s (%) | drop: dev - shifted mean, 95% CI (points) "
+              "| bound of the receptive field (%) | time per run (s) |")
+    lines = [header, "|---" * 16 + "|"]
     for name, by_seed in by_row.items():
         r = next(iter(by_seed.values()))
         per_seed = " / ".join(f"{x * 100:.1f}" for x in col(name, "dev_acc"))
@@ -1229,13 +1213,13 @@ def lab_table(runs):
         # one view: its CE
         ce = "-" if r["views"] == 1 else {"all": "both", "original": "original"}[r["ce"]]
         gnet_lr = "-" if r["gnet_lr"] is None else format(r["gnet_lr"], "g")
-        lines.append(f"| {ran_as(r['task'], by_seed.values())} | {r['attention']} | "
-                     f"{r['num_global']} "
-                     f"| {r['views']} | {ce} | {r['sar']:g} | {r['attn_dropout']} | {gnet_lr} "
-                     f"| {r['steps']} | {per_seed} | {show(col(name, 'dev_acc'))} "
-                     f"| {show(col(name, 'shifted_mean'))} | {show(col(name, 'shifted_worst'))} "
-                     f"| {fmt_diff([0.0] * len(drop), drop) if drop else '-'} | "
-                     f"{show(col(name, 'bound'))} "
+        lines.append(f"| {ran_as(r['task'], by_seed.values())} | {r['attention']} "
+                     f"| {r['num_global']} | {r['views']} | {ce} | {r['sar']:g} "
+                     f"| {r['attn_dropout']} | {gnet_lr} | {r['steps']} | {per_seed} "
+                     f"| {show(col(name, 'dev_acc'))} | {show(col(name, 'shifted_mean'))} "
+                     f"| {show(col(name, 'shifted_worst'))} "
+                     f"| {fmt_diff([0.0] * len(drop), drop) if drop else '-'} "
+                     f"| {show(col(name, 'bound'))} "
                      f"| {statistics.mean(x['wall_time_s'] for x in by_seed.values()):.0f} |")
     contrasts = []
     for task, what, base, base_key, name, key in LAB_CONTRASTS:
@@ -1249,9 +1233,8 @@ def lab_table(runs):
     shifted = [name for name in by_row if next(iter(by_row[name].values()))["shifted_by"]]
     if shifted:
         shifts = list(next(iter(by_row[shifted[0]].values()))["shifted_by"])
-        lines += ["", "| row | dev acc under shift s = " + " / ".join(shifts) + " (%, mean over "
-                                                                                "seeds) |",
-                  "|---|---|"]
+        header = f"| row | dev acc under shift s = {' / '.join(shifts)} (%, mean over seeds) |"
+        lines += ["", header, "|---|---|"]
         for name in shifted:
             by = [statistics.mean(r["shifted_by"][s] for r in by_row[name].values())
                   for s in shifts]
@@ -1263,9 +1246,8 @@ def lab_table(runs):
         # every token real: a token's share of all pairs is 1/L
         length = data.LAB["lab-shortcut"]["length"]
         lines += ["", "| row | seed | dev acc (%) | layer | masked pairs on the shortcut token, "
-                      "over its share "
-                  f"of all pairs (1/{length}), at 10% / 25% / 50% / 100% of training | mean over "
-                  f"training |",
+                      f"over its share of all pairs (1/{length}), at 10% / 25% / 50% / 100% of "
+                      "training | mean over training |",
                   "|---" * 6 + "|"]
         for r in masked:
             m = r["shortcut_masking"]
@@ -1273,9 +1255,9 @@ def lab_table(runs):
             for layer in range(len(m["share"][0])):
                 ratios = [length * m["share"][i][layer] for i in at]
                 mean = length * statistics.mean(share[layer] for share in m["share"])
-                lines.append(f"| {ran_as(r['row'], [r])} | {r['seed']} | {r['dev_acc']:.1f} | "
-                             f"{layer + 1} "
-                             f"| {' / '.join(f'{x:.2f}' for x in ratios)} | {mean:.2f} |")
+                lines.append(f"| {ran_as(r['row'], [r])} | {r['seed']} | {r['dev_acc']:.1f} "
+                             f"| {layer + 1} | {' / '.join(f'{x:.2f}' for x in ratios)} "
+                             f"| {mean:.2f} |")
     return "\n".join(lines)
 
 
@@ -1316,8 +1298,7 @@ def against_base(runs, base_runs, base_name):
             if xs:
                 cell = lab_pair(base[name], key, mine[name], key)
                 lines.append(f"| {ran_as(name, mine[name].values())} | {key} | "
-                             f"{' '.join(map(str, seeds))} "
-                             f"| {fmt(xs)} | {fmt(ys)} | {cell} |")
+                             f"{' '.join(map(str, seeds))} | {fmt(xs)} | {fmt(ys)} | {cell} |")
     if len(lines) == 2:
         return f"No row of this lab is in --base {base_name} at a seed both ran: nothing to pair."
     return "\n".join(lines)
@@ -1362,8 +1343,7 @@ def reach_bound(task, texts, labels, reach):
     kind, spec = data.lab_kind(task)
     if kind.evidence is None:
         raise data.DataError(f"reach_bound: {task} has no receptive-field bound (no single token "
-                             f"decides a "
-                             f"{spec['kind']} text)")
+                             f"decides a {spec['kind']} text)")
     far = [y for t, y in zip(texts, labels) if data.lab_evidence(task, t) >= reach]
     best_guess = max(collections.Counter(far).values(), default=0)
     return (len(labels) - len(far) + best_guess) / len(labels)
@@ -1569,8 +1549,7 @@ SHORTCUT_CONTRASTS = [
     ("attendout_tuned", "attendout", "the G-Nets at 1e-5, not the backbone's 1e-4 "
                                      "(attendout_tuned - attendout)"),
     ("oracle_layer1", "attendout", "the word's column masked in layer 1, for the G-Nets' masks "
-                                   "(oracle_layer1 - "
-                                   "attendout)"),
+                                   "(oracle_layer1 - attendout)"),
     ("oracle_all", "attendout", "the word's column masked in every layer (oracle_all - attendout)"),
     ("oracle_all", "standard",
      "the oracle's masks against standard dropout (oracle_all - standard)"),
@@ -1702,15 +1681,11 @@ def shortcut_text(a):
     if a.plan is not None:                               # main's planning pass: nothing ran yet
         return
     note = (f"Fine-tuned from {a.init} at the pretrained grids' flags (lr 1e-4, 3 epochs, batch "
-            f"32) on the "
-            f"lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} for label "
-            f"0, "
-            f"{SHORTCUT_WORDS[1]!r} for label 1, first in the sentence; dev: a random word, "
-            f"scored in its agreeing "
-            f"and disagreeing halves (shortcut_data, seed {SHORTCUT_SEED}). Paired differences "
-            f"over seeds, 95% "
-            f"t-intervals. attendout_tuned: {' '.join(SHORTCUT_TUNED)}. Flags: "
-            f"{' '.join(merge_flags(PRE_COMMON, a.extra))}")
+            f"32) on the lowres subsample ({SUBSAMPLE} examples); the word: {SHORTCUT_WORDS[0]!r} "
+            f"for label 0, {SHORTCUT_WORDS[1]!r} for label 1, first in the sentence; dev: a "
+            "random word, scored in its agreeing and disagreeing halves (shortcut_data, seed "
+            f"{SHORTCUT_SEED}). Paired differences over seeds, 95% t-intervals. attendout_tuned: "
+            f"{' '.join(SHORTCUT_TUNED)}. Flags: {' '.join(merge_flags(PRE_COMMON, a.extra))}")
     raw = {"|".join(key): by_seed for key, by_seed in records.items()}
     # a partial run: its own table
     parts = "" if a.parts == SHORTCUT_DEFAULT_PARTS else "_" + "_".join(a.parts)
@@ -1721,11 +1696,10 @@ def shortcut_table(records):
     """The tables of shortcut-text's records ({(part, data set, row): {seed: shortcut_record}}):
     each row against standard dropout; the contrasts (SHORTCUT_CONTRASTS); what the AttendOut rows'
     G-Nets masked. Every paired difference pairs runs by seed (paired)."""
-    lines = ["| part | p | data | row | dev acc, whole (%) | agreeing half (%) | disagreeing half "
-             "(%) "
-             "| reliance: agree - disagree (points) | per seed | paired diff to standard, 95% CI: "
-             "reliance "
-             "| disagreeing half | whole | CE at step 20 | time per run (s) |", "|---" * 14 + "|"]
+    lines = ["| part | p | data | row | dev acc, whole (%) | agreeing half (%) "
+             "| disagreeing half (%) | reliance: agree - disagree (points) | "
+             "per seed | paired diff to standard, 95% CI: reliance | "
+             "disagreeing half | whole | CE at step 20 | time per run (s) |", "|---" * 14 + "|"]
     # mean +- std over seeds, "-" for the clean row's halves
     def show(by_seed, key):
         xs = [r[key] / 100 for r in by_seed.values() if r[key] is not None]
@@ -1740,13 +1714,12 @@ def shortcut_table(records):
         per_seed = " / ".join(f"{r['reliance']:.0f}" for r in by_seed.values()) if known else "-"
         ce = [r["ce_step20"] for r in by_seed.values() if r["ce_step20"] is not None]
         lines.append(f"| {part} | {SHORTCUT_PARTS[part][0]:g} | {ds} | "
-                     f"{ran_as(name, by_seed.values())} "
-                     f"| {show(by_seed, 'whole')} "
-                     f"| {show(by_seed, 'agree')} | {show(by_seed, 'disagree')} | "
-                     f"{show(by_seed, 'reliance')} "
-                     f"| {per_seed} | {diff('reliance')} | {diff('disagree')} | {diff('whole')} "
-                     f"| {statistics.mean(ce) if ce else float('nan'):.3f} "
-                     f"| {statistics.mean(r['wall_time_s'] for r in by_seed.values()):.0f} |")
+                     f"{ran_as(name, by_seed.values())} | {show(by_seed, 'whole')} | "
+                     f"{show(by_seed, 'agree')} | {show(by_seed, 'disagree')} | "
+                     f"{show(by_seed, 'reliance')} | {per_seed} | {diff('reliance')} | "
+                     f"{diff('disagree')} | {diff('whole')} | "
+                     f"{statistics.mean(ce) if ce else float('nan'):.3f} | "
+                     f"{statistics.mean(r['wall_time_s'] for r in by_seed.values()):.0f} |")
     contrasts = []
     # each part and data set once
     for part, ds in dict.fromkeys((part, ds) for part, ds, _ in records):
@@ -1763,10 +1736,8 @@ def shortcut_table(records):
                       "disagreeing half | whole |",
                   "|---" * 6 + "|", *contrasts]
     lines += ["", "| part | data | row | seed | reliance (points) | masks died at step | layer | "
-                  "the word's share of "
-              "masked pairs over its share of all pairs, at 10% / 25% / 50% / 100% of training | "
-              "masking rate, "
-              "same points |", "|---" * 9 + "|"]
+                  "the word's share of masked pairs over its share of all pairs, at 10% / 25% / "
+                  "50% / 100% of training | masking rate, same points |", "|---" * 9 + "|"]
     for (part, ds, name), by_seed in records.items():
         for s, r in by_seed.items():
             if "masking" not in r:
@@ -1801,24 +1772,22 @@ def parse_args(argv):
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="default: 0 1 2 (pretrained-attendout: 0-4; lab: each task's LAB_SEEDS, "
                          "lab-shortcut 0-4)")
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads of each run (train.py "
-                                                           "--threads)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads of each run (train.py --threads)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs at a time, each its own train.py process at --threads threads "
-                         "(default 1: the "
-                         "tables' time per run assumes a run has its cores to itself; cores / "
-                         "--threads uses "
-                         "them all)")
-    ap.add_argument("--out", default=None, help="where the runs go (default: out/EXPERIMENT); "
-                                                "lab: also lab.json")
-    ap.add_argument("--tables", default=os.path.join("out", "tables"), help="where the tables and "
-                                                                            "figures go")
+                         "(default 1: the tables' time per run assumes a run has its cores to "
+                         "itself; cores / --threads uses them all)")
+    ap.add_argument("--out", default=None,
+                    help="where the runs go (default: out/EXPERIMENT); lab: also lab.json")
+    ap.add_argument("--tables", default=os.path.join("out", "tables"),
+                    help="where the tables and figures go")
     ap.add_argument("--data-root", default=os.path.join("data", "text"),
                     help="pretrained-*: a folder with sst2/ and mr/ (train.tsv, dev.tsv: "
                          "label<TAB>text)")
     ap.add_argument("--datasets", nargs="+", default=DEFAULT_DATASETS)
-    ap.add_argument("--init", default=None, help="pretrained-*: a converted checkpoint (python "
-                                                 "model.py convert)")
+    ap.add_argument("--init", default=None,
+                    help="pretrained-*: a converted checkpoint (python model.py convert)")
     ap.add_argument("--settings", nargs="+", default=["lowres"], choices=list(PRE_SETTINGS),
                     help="pretrained-*: lowres (1,000 training examples) and / or full")
     ap.add_argument("--variants", nargs="+", default=None,
@@ -1828,24 +1797,23 @@ def parse_args(argv):
                     help='more train.py flags for every run, ONE string written with "=": '
                          '--extra="--window 2 --lr 1e-3" (each replaces the grid\'s value of its '
                          'flag; the grid\'s own flags may come before or after it)')
-    ap.add_argument("--dry-run", action="store_true", help="print the commands of unfinished "
-                                                           "runs, run nothing")
-    ap.add_argument("--candidates", action="store_true", help="listops-long: the candidate sizes' "
-                                                              "learning curves")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the commands of unfinished runs, run nothing")
+    ap.add_argument("--candidates", action="store_true",
+                    help="listops-long: the candidate sizes' learning curves")
     ap.add_argument("--base", default=None,
                     help="lab: another lab's --out (or its lab.json, e.g. "
                          "docs/results/results_lab.json): every "
                          "row both ran, paired by seed against it (OUT/base.md)")
     ap.add_argument("--parts", nargs="+", default=None, choices=list(SHORTCUT_PARTS),
                     help="shortcut-text: these parts (default: main sparse oracle p1; probe: the "
-                         "candidates for "
-                         "attendout_tuned, on other seeds)")
-    ap.add_argument("--quick", action="store_true", help="lab: the reach rows at the first seed "
-                                                         "alone")
-    ap.add_argument("--tasks", nargs="+", default=None, help="lab: only these tasks' rows "
-                                                             "(default: all of data.LAB)")
-    ap.add_argument("--keep-ckpt", action="store_true", help="pretrained-*: keep each run's "
-                                                             "ckpt_*.pt (270 MB each)")
+                         "candidates for attendout_tuned, on other seeds)")
+    ap.add_argument("--quick", action="store_true",
+                    help="lab: the reach rows at the first seed alone")
+    ap.add_argument("--tasks", nargs="+", default=None,
+                    help="lab: only these tasks' rows (default: all of data.LAB)")
+    ap.add_argument("--keep-ckpt", action="store_true",
+                    help="pretrained-*: keep each run's ckpt_*.pt (270 MB each)")
     # --extra takes one string: the old form (train.py's flags after a bare --extra, which took the
     # rest of the line) is one error line showing the new one
     at = argv.index("--extra") + 1 if "--extra" in argv else None
@@ -1903,8 +1871,7 @@ def parse_args(argv):
     own = [train.flag(name) for name in ("out", "threads", "seed") if name in vars(given)]
     if own:
         fail(f"--extra: {' '.join(own)}: set by the grid for each run (give experiments.py's "
-             f"--out, --threads "
-             "or --seeds)")
+             "--out, --threads or --seeds)")
     return a
 
 
