@@ -45,15 +45,6 @@ def run(cmd, **kw):
     return p.stdout
 
 
-# A small model of the chosen topology, for the parts that call the kernels directly.
-def small_model(attention, device, attn_dropout="none"):
-    cfg = Config(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                 max_positions=4200, pad_id=1, attention=attention, block_size=8, num_global=1,
-                 num_random=1, attn_dropout=attn_dropout, num_labels=2)
-    torch.manual_seed(0)
-    return Model(cfg).to(device)
-
-
 # -----------------------------------------------------------------------------
 # tests: the suite's CUDA-only tests (skipped without a GPU) and the CPU-side tests that guard the
 # CUDA path. On the CPU the CUDA-only tests all skip, which the rehearsal accepts.
@@ -167,7 +158,11 @@ def part_compile(device, work):
         on_cuda = sparse.flex_functions
         sparse.flex_functions = lambda dev: on_cuda(torch.device("cuda"))
         model_py.hst_attention = lambda *a, **kw: real_hst(*a, **{**kw, "flex": True})
-    net = small_model("hst", device).train()
+    cfg = Config(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                 pad_id=1, attention="hst", block_size=8, num_random=1, attn_dropout="none",
+                 num_labels=2)
+    torch.manual_seed(0)
+    net = Model(cfg).to(device).train()
     ids = torch.randint(4, 64, (2, 64), device=device)
     torch._dynamo.reset()
     with torch.no_grad():
